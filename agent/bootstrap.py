@@ -1,0 +1,54 @@
+"""Find the job master, or host one in this process (standalone, or torchrun's c10d convenience mode)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from agent.client import MasterClient, MasterError, MasterUnreachableError
+from agent.loop import EXIT_CONFIG, AgentError
+from agent.net import split_address
+from agent.settings import AgentSettings
+
+log = logging.getLogger("elastic.agent")
+
+
+def connect_or_host_master(settings: AgentSettings, embed_at: str | None):
+    """Return ``(embedded master or None, settings with the master addresses filled in)``."""
+    from master.server import EmbeddedMaster, bind_socket  # web stack only when hosting
+    from master.settings import ServerSettings
+
+    if settings.standalone:
+        master = EmbeddedMaster(ServerSettings(job=settings.job, token=settings.token)).start()
+        return master, dataclasses.replace(settings, masters=(master.address,))
+    client = MasterClient(list(settings.masters), settings.job.job_id, settings.token, request_timeout=3.0)
+    deadline = time.monotonic() + settings.master_timeout_s
+    try:
+        while True:
+            try:
+                client.info()
+                return None, settings
+            except MasterUnreachableError:
+                if embed_at is not None:
+                    host, port = split_address(embed_at)
+                    try:
+                        sock = bind_socket(host, port)
+                    except OSError:
+                        sock = None  # another agent on this machine is starting it; wait for it to answer
+                    if sock is not None:
+                        server = ServerSettings(job=settings.job, token=settings.token, host=host, port=port)
+                        master = EmbeddedMaster(server, sock=sock).start()
+                        log.info("no master answered at %s; this agent hosts it (convenience mode)", embed_at)
+                        return master, dataclasses.replace(settings, host_master_at=embed_at)
+                if time.monotonic() > deadline:
+                    raise AgentError(
+                        f"no job master answered at {', '.join(settings.masters)} within "
+                        f"{settings.master_timeout_s:g}s; start elastic-master there or check --master"
+                    ) from None
+                time.sleep(0.2)  # the master may still be starting
+            except MasterError as exc:
+                code = EXIT_CONFIG if getattr(exc, "status", 0) in (401, 409) else 1
+                raise AgentError(f"master at {', '.join(settings.masters)} refused this agent: {exc}", code) from None
+    finally:
+        client.close()

@@ -1,0 +1,254 @@
+"""``elastic-run``: torchrun's command line, elastic underneath.
+
+Every torchrun flag keeps its spelling (dashes or underscores) and its ``PET_*`` environment default,
+so a torchrun command line works after replacing the command name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import secrets
+import shutil
+import socket
+import sys
+import uuid
+
+import click
+
+from agent.client import MasterClient, MasterError, parse_addresses
+from agent.loop import EXIT_CONFIG, AgentError, ElasticAgent
+from agent.net import is_local_host, local_address_for, split_address
+from agent.settings import DEFAULT_MASTER_TIMEOUT_S, DEFAULT_STOP_GRACE_S, AgentSettings
+from elastic.auth import TokenError, derived_token, read_token_file
+from master import settings as ms
+
+log = logging.getLogger("elastic.agent")
+
+_RDZV_CONF_KEYS = {"join_timeout": "join_timeout_s", "last_call_timeout": "last_call_s"}
+
+
+def _nproc(value: str) -> int:
+    value = str(value).strip().lower()
+    if value == "cpu":
+        return os.cpu_count() or 1
+    if value in ("gpu", "auto"):
+        gpus = _visible_gpus()
+        if value == "gpu" and gpus == 0:
+            raise click.BadParameter("'gpu' was asked for but no GPU is visible", param_hint="--nproc-per-node")
+        return gpus or (os.cpu_count() or 1)
+    try:
+        count = int(value)
+    except ValueError:
+        raise click.BadParameter(f"must be a positive integer, cpu, gpu or auto; got {value!r}",
+                                 param_hint="--nproc-per-node") from None
+    if count < 1:
+        raise click.BadParameter(f"must be at least 1, got {count}", param_hint="--nproc-per-node")
+    return count
+
+
+def _visible_gpus() -> int:
+    """GPU count without importing torch (the agent must start fast)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len([p for p in pathlib.Path("/dev").glob("nvidia[0-9]*")])
+
+
+def _rdzv_conf(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--rdzv-conf")
+        if key in _RDZV_CONF_KEYS:
+            try:
+                out[_RDZV_CONF_KEYS[key]] = float(value)
+            except ValueError:
+                raise click.BadParameter(f"{key} must be a number of seconds", param_hint="--rdzv-conf") from None
+        # Other torchrun keys (timeout, read_timeout, is_host, ...) have no meaning here and are ignored.
+    return out
+
+
+def _worker_argv(script: str, args: tuple[str, ...], module: bool, no_python: bool) -> tuple[str, ...]:
+    if module and no_python:
+        raise click.UsageError("--module and --no-python cannot be used together")
+    if no_python:
+        if not (shutil.which(script) or os.path.exists(script)):
+            raise click.UsageError(f"program {script!r} not found (with --no-python it is run as a command)")
+        return (script, *args)
+    if module:
+        return (sys.executable, "-u", "-m", script, *args)
+    if not os.path.isfile(script):
+        raise click.UsageError(f"training script {script!r} not found")
+    return (sys.executable, "-u", script, *args)
+
+
+def _token(token_file: str | None, job_id: str, standalone: bool) -> str:
+    if token_file:
+        try:
+            return read_token_file(token_file)
+        except TokenError as exc:
+            raise click.BadParameter(str(exc), param_hint="--token-file") from None
+    if os.environ.get("ELASTIC_TOKEN"):
+        return os.environ["ELASTIC_TOKEN"]
+    return secrets.token_urlsafe(24) if standalone else derived_token(job_id)
+
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "PET", "allow_interspersed_args": False,
+           "max_content_width": 110}
+
+
+@click.command(context_settings=CONTEXT)
+@click.option("--nnodes", default="1:1", show_default=True, help="Number of nodes, N or MIN:MAX.")
+@click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default="1", show_default=True,
+              help="Workers per node: a number, cpu, gpu or auto.")
+@click.option("--standalone", is_flag=True, help="Single-node job with an embedded master on a free port.")
+@click.option("--rdzv-endpoint", "--rdzv_endpoint", "--master", "rdzv_endpoint", default="",
+              help="Job master HOST:PORT (several, comma-separated, for standby masters).")
+@click.option("--rdzv-id", "--rdzv_id", "--job-id", "rdzv_id", default="none", show_default=True, help="Job id.")
+@click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", default="c10d", show_default=True,
+              help="Accepted for torchrun compatibility; the elastic master is always used.")
+@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="",
+              help="torchrun's KEY=VALUE list; join_timeout and last_call_timeout are honoured.")
+@click.option("--max-restarts", "--max_restarts", "max_restarts", type=click.IntRange(min=0),
+              default=ms.DEFAULT_MAX_RESTARTS, show_default=True, help="Job-wide restarts after worker failures.")
+@click.option("--token-file", type=click.Path(dir_okay=False), default=None,
+              help="File with the job's bearer token (default: ELASTIC_TOKEN, else derived from the job id).")
+@click.option("--node-id", default=None, help="Stable id of this node (default: HOSTNAME-PID).")
+@click.option("--local-addr", "--local_addr", "local_addr", default=None,
+              help="Address other nodes reach this node on (default: the route to the master).")
+@click.option("--master-addr", "--master_addr", "master_addr", default=None,
+              help="torchrun static rendezvous: used as the master host when no --rdzv-endpoint is given.")
+@click.option("--master-port", "--master_port", "master_port", type=click.IntRange(1, 65535), default=None,
+              help="torchrun static rendezvous: the master port (default 29500).")
+@click.option("--node-rank", "--node_rank", "node_rank", type=int, default=-1, hidden=True,
+              help="Accepted for torchrun compatibility; ranks are assigned by the master.")
+@click.option("--role", default="default", show_default=True, help="Worker role name (ROLE_NAME).")
+@click.option("-m", "--module", is_flag=True, help="Run the script as a Python module (python -m).")
+@click.option("--no-python", "--no_python", "no_python", is_flag=True, help="Run the script as a command.")
+@click.option("--run-path", "--run_path", "run_path", is_flag=True, hidden=True, help="Accepted; no effect.")
+@click.option("--log-dir", "--log_dir", "log_dir", type=click.Path(file_okay=False), default=None,
+              help="Also write each worker's stdout/stderr under this folder.")
+@click.option("-r", "--redirects", default="0", hidden=True, help="Accepted; output is always shown, prefixed.")
+@click.option("-t", "--tee", default="0", hidden=True, help="Accepted; output is always shown, prefixed.")
+@click.option("--monitor-interval", "--monitor_interval", "monitor_interval", type=float, default=0.1, hidden=True,
+              help="Accepted; worker exits are seen at once.")
+@click.option("--start-method", "--start_method", "start_method", default="spawn", hidden=True,
+              type=click.Choice(["spawn", "fork", "forkserver"]), help="Accepted; workers are processes.")
+@click.option("--ckpt-dir", type=click.Path(file_okay=False), default=None,
+              help="Checkpoint folder, exported to workers as ELASTIC_CKPT_DIR.")
+@click.option("--node-unit", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Embedded master: node count is a multiple of this.")
+@click.option("--last-call", type=click.FloatRange(min=0), default=ms.DEFAULT_LAST_CALL_S, show_default=True,
+              help="Embedded master: seconds to wait for more nodes once MIN joined.")
+@click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True), default=ms.DEFAULT_JOIN_TIMEOUT_S,
+              show_default=True, help="Embedded master: fail when MIN nodes have not joined in this time.")
+@click.option("--heartbeat-interval", type=click.FloatRange(min=0, min_open=True),
+              default=ms.DEFAULT_HEARTBEAT_INTERVAL_S, show_default=True, help="Embedded master: seconds.")
+@click.option("--heartbeat-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=ms.DEFAULT_HEARTBEAT_TIMEOUT_S, show_default=True,
+              help="Embedded master: a node is dead after this long without a heartbeat.")
+@click.option("--stop-grace", type=click.FloatRange(min=0), default=DEFAULT_STOP_GRACE_S, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL when stopping workers.")
+@click.option("--master-timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_MASTER_TIMEOUT_S,
+              show_default=True, help="Give up after the master is unreachable this long (workers keep "
+                                      "training meanwhile).")
+@click.argument("training_script")
+@click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
+def cli(**opts) -> int:
+    """Run TRAINING_SCRIPT on this node as part of an elastic job (torchrun-compatible)."""
+    settings, embed = _settings(opts)
+    return run_agent(settings, embed)
+
+
+def _settings(o: dict) -> tuple[AgentSettings, str | None]:
+    """Resolve the CLI into frozen settings; returns (settings, address to embed a master at or None)."""
+    try:
+        min_nodes, max_nodes = ms.parse_nnodes(o["nnodes"])
+    except ms.SettingsError as exc:
+        raise click.BadParameter(str(exc).removeprefix("--nnodes "), param_hint="--nnodes") from None
+    nproc = _nproc(o["nproc_per_node"])
+    argv = _worker_argv(o["training_script"], o["training_script_args"], o["module"], o["no_python"])
+    endpoint = o["rdzv_endpoint"]
+    if not endpoint and not o["standalone"] and (o["master_addr"] or max_nodes > 1):
+        endpoint = f"{o['master_addr'] or '127.0.0.1'}:{o['master_port'] or 29500}"
+    standalone = o["standalone"] or not endpoint
+    if standalone and max_nodes > 1:
+        raise click.UsageError(f"--nnodes {o['nnodes']} needs a master: pass --master HOST:PORT "
+                               "(or --rdzv-endpoint); --standalone is for single-node jobs")
+    masters: tuple[str, ...] = ()
+    if not standalone:
+        try:
+            masters = tuple(parse_addresses(endpoint))
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--master") from None
+    job_id = o["rdzv_id"]
+    if standalone and job_id == "none":
+        job_id = f"standalone-{uuid.uuid4().hex[:8]}"
+    try:
+        job = ms.JobSettings(
+            job_id=job_id, min_nodes=min_nodes, max_nodes=max_nodes, node_unit=o["node_unit"],
+            last_call_s=o["last_call"], join_timeout_s=o["join_timeout"],
+            heartbeat_interval_s=o["heartbeat_interval"], heartbeat_timeout_s=o["heartbeat_timeout"],
+            max_restarts=o["max_restarts"], **_rdzv_conf(o["rdzv_conf"]),
+        )
+    except ms.SettingsError as exc:
+        raise click.UsageError(str(exc)) from None
+    host = o["local_addr"] or ("127.0.0.1" if standalone else local_address_for(split_address(masters[0])[0]))
+    embed = None
+    if not standalone and len(masters) == 1 and is_local_host(split_address(masters[0])[0]):
+        embed = masters[0]
+    settings = AgentSettings(
+        argv=argv, nproc=nproc, job=job, token=_token(o["token_file"], job_id, standalone),
+        node_id=o["node_id"] or f"{socket.gethostname()}-{os.getpid()}", masters=masters,
+        host_master_at=None, local_addr=host, role=o["role"],
+        log_dir=pathlib.Path(o["log_dir"]).resolve() if o["log_dir"] else None,
+        ckpt_dir=pathlib.Path(o["ckpt_dir"]).resolve() if o["ckpt_dir"] else None,
+        stop_grace_s=o["stop_grace"], master_timeout_s=o["master_timeout"],
+    )
+    return settings, embed
+
+
+def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
+    """Start (or find) the master, then run the agent loop; returns the exit code."""
+    from agent.bootstrap import connect_or_host_master  # keeps `elastic-run --help` fast
+    from agent.workers import Reaper, WorkerGroup
+
+    master, settings = connect_or_host_master(settings, embed_at)
+    client = MasterClient(list(settings.masters), settings.job.job_id, settings.token)
+    reaper = Reaper()
+    group = WorkerGroup(reaper=reaper)
+    try:
+        return ElasticAgent(settings, client, group).run()
+    finally:
+        group.close()
+        reaper.close()
+        client.close()
+        if master is not None:
+            master.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: one-line errors, torchrun-like exit codes."""
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        code = cli.main(args=argv, prog_name="elastic-run", standalone_mode=False)
+    except click.UsageError as exc:
+        hint = exc.ctx.command_path if exc.ctx else "elastic-run"
+        print(f"elastic-run: error: {exc.format_message()} (see '{hint} --help')", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    except click.ClickException as exc:
+        print(f"elastic-run: error: {exc.format_message()}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        sys.exit(130)
+    except AgentError as exc:
+        print(f"elastic-run: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except MasterError as exc:
+        print(f"elastic-run: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,149 @@
+"""HTTP client of the job master API, used by the agent and by ``elastic-master status``.
+
+One ``httpx.Client`` per thread (heartbeats, watch long-poll and the main loop run concurrently).
+Several master addresses may be given; the client sticks to the one that answered last and moves
+on to the next when it is unreachable or answers that it is not the leader.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TypeVar
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from elastic.protocol import (
+    API_PREFIX,
+    JOB_HEADER,
+    CommandReply,
+    HeartbeatRequest,
+    JobInfo,
+    JobStatus,
+    JoinReply,
+    JoinRequest,
+    LeaveRequest,
+    RoundReply,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class MasterError(Exception):
+    """Base of the errors talking to the master."""
+
+
+class MasterUnreachableError(MasterError):
+    """No master answered at any of the addresses."""
+
+
+class MasterRejectedError(MasterError):
+    """The master answered with an error status."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def parse_addresses(text: str) -> list[str]:
+    """``HOST:PORT[,HOST:PORT...]`` → list of ``HOST:PORT`` (IPv6 as ``[::1]:PORT``)."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"master address must be HOST:PORT, got {part!r}")
+        out.append(part)
+    if not out:
+        raise ValueError("no master address given")
+    return out
+
+
+class MasterClient:
+    """Typed calls of the master's ``/v1`` API."""
+
+    def __init__(self, addresses: list[str], job_id: str, token: str, *, request_timeout: float = 10.0) -> None:
+        self.addresses = list(addresses)
+        self.job_id = job_id
+        self._headers = {"Authorization": f"Bearer {token}", JOB_HEADER: job_id}
+        self._timeout = request_timeout
+        self._local = threading.local()
+        self._preferred = 0
+
+    def _http(self) -> httpx.Client:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = httpx.Client(headers=self._headers, trust_env=False)
+            self._local.client = client
+        return client
+
+    def close(self) -> None:
+        client = getattr(self._local, "client", None)
+        if client is not None:
+            client.close()
+            self._local.client = None
+
+    def _call(self, method: str, path: str, reply: type[M], *, body: BaseModel | None = None,
+              params: dict | None = None, wait: float = 0.0) -> M:
+        last: Exception | None = None
+        count = len(self.addresses)
+        for i in range(count):
+            index = (self._preferred + i) % count
+            url = f"http://{self.addresses[index]}{API_PREFIX}{path}"
+            try:
+                response = self._http().request(
+                    method, url, params=params,
+                    content=body.model_dump_json() if body is not None else None,
+                    headers={"Content-Type": "application/json"} if body is not None else None,
+                    timeout=httpx.Timeout(self._timeout + wait, connect=min(self._timeout, 3.0)),
+                )
+            except httpx.TransportError as exc:
+                last = exc
+                continue
+            if response.status_code == 503:  # a standby master: try the next address
+                last = MasterRejectedError(503, "not_leader", response.text)
+                continue
+            self._preferred = index
+            if response.status_code >= 400:
+                raise _rejection(response)
+            try:
+                return reply.model_validate_json(response.content)
+            except ValidationError as exc:
+                raise MasterError(f"unexpected reply from master at {self.addresses[index]}: {exc}") from None
+        raise MasterUnreachableError(
+            f"no job master answered at {', '.join(self.addresses)} ({type(last).__name__}: {last})"
+        )
+
+    def info(self) -> JobInfo:
+        return self._call("GET", "/info", JobInfo)
+
+    def join(self, req: JoinRequest) -> JoinReply:
+        return self._call("POST", "/join", JoinReply, body=req)
+
+    def next_round(self, node_id: str, after: int, timeout: float) -> RoundReply:
+        params = {"node_id": node_id, "after": after, "timeout": timeout}
+        return self._call("GET", "/round", RoundReply, params=params, wait=timeout)
+
+    def heartbeat(self, req: HeartbeatRequest) -> CommandReply:
+        return self._call("POST", "/heartbeat", CommandReply, body=req)
+
+    def watch(self, node_id: str, round_number: int, timeout: float) -> CommandReply:
+        params = {"node_id": node_id, "round": round_number, "timeout": timeout}
+        return self._call("GET", "/watch", CommandReply, params=params, wait=timeout)
+
+    def leave(self, req: LeaveRequest) -> CommandReply:
+        return self._call("POST", "/leave", CommandReply, body=req)
+
+    def status(self) -> JobStatus:
+        return self._call("GET", "/status", JobStatus)
+
+
+def _rejection(response: httpx.Response) -> MasterRejectedError:
+    try:
+        data = response.json()
+        code, message = str(data.get("error", "error")), str(data.get("message", response.text))
+    except ValueError:
+        code, message = "error", response.text[:500]
+    return MasterRejectedError(response.status_code, code, message)

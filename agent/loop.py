@@ -1,0 +1,358 @@
+"""The agent's restart/rescale loop: join a round, start workers, watch them, stop, rejoin.
+
+Threads only produce events; the main thread consumes them from one queue and owns every decision:
+
+* rendezvous waiter — long-polls the master for this node's next assignment;
+* heartbeat — reports the node's state every interval, relays a non-``continue`` command;
+* watcher — long-polls the master so that a new round is learnt at once, not at the next heartbeat;
+* exit relay — forwards worker exits the moment the worker group sees them;
+* signal handlers — SIGINT/SIGTERM.
+
+Each event carries the *generation* it belongs to (one per worker start), so stale events of a
+stopped generation are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.client import MasterClient, MasterError, MasterRejectedError, MasterUnreachableError
+from agent.envcontract import worker_envs
+from agent.net import free_port
+from agent.settings import AgentSettings
+from agent.workers import FailureInfo, WorkerExit, WorkerGroup, WorkerSpec
+from elastic.protocol import (
+    Assignment,
+    Command,
+    CommandReply,
+    HeartbeatRequest,
+    JoinRequest,
+    LeaveRequest,
+    NodeState,
+    Outcome,
+    WorkerFailure,
+    WorkerProgress,
+)
+
+log = logging.getLogger("elastic.agent")
+
+LONG_POLL_S = 20.0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+
+
+class AgentError(Exception):
+    """A problem the user can fix; the CLI prints it as one line."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class _Event:
+    kind: str  # assigned | finished | exit | command | signal | master_lost | node_unknown
+    generation: int
+    payload: Any = None
+
+
+@dataclass
+class _NodeView:
+    """What the heartbeat thread reports; written by the main thread only."""
+
+    state: NodeState = NodeState.WAITING
+    round: int = 0
+    failure: WorkerFailure | None = None
+    pids: list[int] = field(default_factory=list)
+
+
+class ElasticAgent:
+    """Runs this node's share of one job until the job ends; :meth:`run` returns the exit code."""
+
+    def __init__(self, settings: AgentSettings, client: MasterClient, group: WorkerGroup) -> None:
+        self.settings = settings
+        self.client = client
+        self.group = group
+        self.events: queue.SimpleQueue[_Event] = queue.SimpleQueue()  # put() is safe in signal handlers
+        self.view = _NodeView()
+        self.generation = 0
+        self.heartbeat_interval = settings.job.heartbeat_interval_s
+        self._closing = threading.Event()
+        self._last_contact = time.monotonic()
+        self.host = settings.local_addr or "127.0.0.1"
+
+    # -- entry point ------------------------------------------------------------------------------
+    def run(self) -> int:
+        self._check_job_settings()
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        try:
+            return self._rounds()
+        finally:
+            self._closing.set()
+            self.generation += 1
+            self.group.stop(self.settings.stop_grace_s)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _check_job_settings(self) -> None:
+        info = self.client.info()
+        self.heartbeat_interval = info.heartbeat_interval_s
+        want = self.settings.job
+        if (info.min_nodes, info.max_nodes) != (want.min_nodes, want.max_nodes):
+            raise AgentError(
+                f"--nnodes {want.min_nodes}:{want.max_nodes} disagrees with the master of job {info.job_id}, "
+                f"which runs {info.min_nodes}:{info.max_nodes}; use the same --nnodes on every node",
+                EXIT_CONFIG,
+            )
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _rounds(self) -> int:
+        after = 0
+        while True:
+            self.generation += 1
+            self.view = _NodeView()
+            self._join()
+            threading.Thread(target=self._await_assignment, args=(self.generation, after),
+                             name="rendezvous", daemon=True).start()
+            event = self._next_event()
+            if event.kind == "signal":
+                return self._shut_down(event.payload)
+            if event.kind == "finished":
+                return self._finish(event.payload)
+            if event.kind == "master_lost":
+                raise AgentError(event.payload)
+            if event.kind == "node_unknown":
+                continue
+            assignment: Assignment = event.payload
+            after = assignment.round
+            verdict = self._train(assignment)
+            if verdict is not None:
+                return verdict
+
+    def _join(self) -> None:
+        store_port = free_port(self.host)
+        req = JoinRequest(node_id=self.settings.node_id, host=self.host, nproc=self.settings.nproc,
+                          store_port=store_port, min_nodes=self.settings.job.min_nodes,
+                          max_nodes=self.settings.job.max_nodes)
+        self._call_master(lambda: self.client.join(req), "join")
+
+    def _train(self, assignment: Assignment) -> int | None:
+        """Run the workers of one round; return an exit code, or None to rejoin."""
+        self.generation += 1
+        generation = self.generation
+        log.info("round %d: node rank %d of %d, ranks %d-%d of world %d, restart %d/%d",
+                 assignment.round, assignment.node_rank, assignment.nnodes, assignment.rank_offset,
+                 assignment.rank_offset + self.settings.nproc - 1, assignment.world_size,
+                 assignment.restart_count, assignment.max_restarts)
+        self._start_workers(assignment)
+        self.view = _NodeView(state=NodeState.RUNNING, round=assignment.round, pids=list(self.group.pids))
+        threading.Thread(target=self._relay_exits, args=(generation,), name="exit-relay", daemon=True).start()
+        threading.Thread(target=self._watch, args=(generation, assignment.round), name="watch", daemon=True).start()
+        succeeded: set[int] = set()
+        while True:
+            event = self._next_event()
+            if event.kind == "signal":
+                return self._shut_down(event.payload)
+            if event.kind == "master_lost":
+                raise AgentError(event.payload)
+            if event.kind == "node_unknown":
+                log.warning("the master no longer knows this node (was it restarted without a durable "
+                            "store?); stopping workers and rejoining")
+                self._stop_workers()
+                return None
+            if event.kind == "exit":
+                exit_: WorkerExit = event.payload
+                if exit_.succeeded:
+                    succeeded.add(exit_.local_rank)
+                    if len(succeeded) == self.settings.nproc:
+                        return self._report_success(assignment.round)
+                    continue
+                return self._report_failure(assignment.round, self.group.failure_info(exit_))
+            if event.kind == "command":
+                reply: CommandReply = event.payload
+                self._stop_workers()
+                if reply.command is Command.STOP:
+                    return self._finish(reply.outcome)
+                log.info("master opened round %d; restarting workers", reply.round)
+                return None
+
+    # -- outcomes ---------------------------------------------------------------------------------
+    def _report_failure(self, round_number: int, info: FailureInfo) -> int | None:
+        failure = WorkerFailure(rank=info.global_rank, local_rank=info.local_rank, exit_code=info.exit_code,
+                                signal=info.signal, message=info.message[-8000:])
+        how = f"signal {info.signal}" if info.signal else f"exit code {info.exit_code}"
+        log.warning("rank %d (local rank %d) failed with %s", info.global_rank, info.local_rank, how)
+        self.view = _NodeView(state=NodeState.FAILED, round=round_number, failure=failure)
+        # Report before stopping the others, so that the other nodes start stopping in parallel.
+        reply = self._call_master(lambda: self.client.heartbeat(self._heartbeat_request()), "failure report")
+        self._stop_workers()
+        if reply.command is Command.STOP:
+            return self._finish(reply.outcome)
+        return None
+
+    def _report_success(self, round_number: int) -> int | None:
+        self.view = _NodeView(state=NodeState.SUCCEEDED, round=round_number)
+        reply = self._call_master(lambda: self.client.heartbeat(self._heartbeat_request()), "success report")
+        if reply.command is Command.STOP or self.settings.host_master_at is None:
+            return self._finish(reply.outcome or Outcome(succeeded=True, exit_code=0))
+        # This agent hosts the master for other nodes: keep serving until the whole job is over.
+        while True:
+            reply = self._call_master(lambda: self.client.watch(self.settings.node_id, round_number, LONG_POLL_S),
+                                      "watch")
+            if reply.command is Command.STOP:
+                return self._finish(reply.outcome or Outcome(succeeded=True, exit_code=0))
+
+    def _finish(self, outcome: Outcome | None) -> int:
+        if outcome is None:
+            return 0
+        if outcome.succeeded:
+            log.info("job succeeded")
+        else:
+            print(f"elastic-run: job failed: {outcome.summary}", file=sys.stderr, flush=True)
+        return outcome.exit_code
+
+    def _shut_down(self, signum: int) -> int:
+        name = signal.Signals(signum).name
+        log.warning("received %s; stopping workers", name)
+        self._stop_workers()
+        try:
+            self.client.leave(LeaveRequest(node_id=self.settings.node_id, reason=f"agent received {name}"))
+        except MasterError as exc:
+            log.info("could not tell the master that this node leaves: %s", exc)
+        return 128 + signum
+
+    # -- workers ----------------------------------------------------------------------------------
+    def _start_workers(self, assignment: Assignment) -> None:
+        s = self.settings
+        extra = {"ELASTIC_NODE_ID": s.node_id}
+        if s.ckpt_dir is not None:
+            extra["ELASTIC_CKPT_DIR"] = str(s.ckpt_dir)
+        envs = worker_envs(os.environ, assignment, s.nproc, run_id=s.job.job_id, role=s.role, extra=extra)
+        ranks = [assignment.rank_offset + i for i in range(s.nproc)]
+        self.group.start(WorkerSpec(argv=list(s.argv), envs=envs, global_ranks=ranks, log_dir=s.log_dir,
+                                    attempt=f"round{assignment.round}", cwd=s.cwd))
+
+    def _stop_workers(self) -> None:
+        self.generation += 1  # exits caused by the stop are not failures
+        self.view = _NodeView(state=NodeState.WAITING)
+        self.group.stop(self.settings.stop_grace_s)
+
+    # -- event producers --------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.events.put(_Event("signal", -1, signum))
+
+    def _next_event(self) -> _Event:
+        while True:
+            event = self.events.get()
+            if event.kind == "signal" or event.generation == self.generation:
+                return event
+
+    def _await_assignment(self, generation: int, after: int) -> None:
+        while generation == self.generation and not self._closing.is_set():
+            try:
+                reply = self.client.next_round(self.settings.node_id, after, LONG_POLL_S)
+            except MasterRejectedError as exc:
+                kind = "node_unknown" if exc.code == "unknown_node" else "master_lost"
+                self.events.put(_Event(kind, generation, f"master refused the rendezvous: {exc.message}"))
+                return
+            except MasterError:
+                if self._master_lost(generation):
+                    return
+                time.sleep(min(1.0, self.heartbeat_interval))  # back off while the master is away
+                continue
+            self._contact()
+            if reply.status == "assigned":
+                self.events.put(_Event("assigned", generation, reply.assignment))
+                return
+            if reply.status == "finished":
+                self.events.put(_Event("finished", generation, reply.outcome))
+                return
+
+    def _watch(self, generation: int, round_number: int) -> None:
+        while generation == self.generation and not self._closing.is_set():
+            try:
+                reply = self.client.watch(self.settings.node_id, round_number, LONG_POLL_S)
+            except MasterRejectedError as exc:
+                if exc.code == "unknown_node":
+                    self.events.put(_Event("node_unknown", generation, exc.message))
+                    return
+                time.sleep(self.heartbeat_interval)
+                continue
+            except MasterError:
+                if self._master_lost(generation):
+                    return
+                time.sleep(min(1.0, self.heartbeat_interval))
+                continue
+            self._contact()
+            if reply.command is not Command.CONTINUE:
+                self.events.put(_Event("command", generation, reply))
+                return
+
+    def _relay_exits(self, generation: int) -> None:
+        remaining = self.settings.nproc
+        while remaining and generation == self.generation:
+            exit_ = self.group.wait_exit(0.5)
+            if exit_ is not None:
+                remaining -= 1
+                self.events.put(_Event("exit", generation, exit_))
+
+    def _heartbeat_request(self) -> HeartbeatRequest:
+        view = self.view
+        workers = [WorkerProgress(local_rank=i, pid=pid) for i, pid in enumerate(view.pids)]
+        return HeartbeatRequest(node_id=self.settings.node_id, round=view.round, state=view.state,
+                                workers=workers, failure=view.failure)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._closing.wait(self.heartbeat_interval):
+            generation = self.generation
+            try:
+                reply = self.client.heartbeat(self._heartbeat_request())
+            except MasterRejectedError as exc:
+                if exc.code == "unknown_node" and self.view.state is not NodeState.WAITING:
+                    self.events.put(_Event("node_unknown", generation, exc.message))
+                continue
+            except MasterError:
+                self._master_lost(generation)
+                continue
+            self._contact()
+            if reply.command is not Command.CONTINUE and self.view.state is NodeState.RUNNING:
+                self.events.put(_Event("command", generation, reply))
+
+    def _contact(self) -> None:
+        self._last_contact = time.monotonic()
+
+    def _master_lost(self, generation: int) -> bool:
+        """True (and an event queued) when no master answered for longer than the allowed time."""
+        silent = time.monotonic() - self._last_contact
+        if silent < self.settings.master_timeout_s:
+            return False
+        self.events.put(_Event("master_lost", generation,
+                               f"no job master answered for {silent:.0f}s (--master-timeout "
+                               f"{self.settings.master_timeout_s:g}s) at {', '.join(self.client.addresses)}"))
+        return True
+
+    def _call_master(self, call, what: str):
+        """A call the loop cannot go on without: retried until the master-unreachable timeout."""
+        delay = 0.1
+        while True:
+            try:
+                reply = call()
+                self._contact()
+                return reply
+            except MasterRejectedError as exc:
+                raise AgentError(f"master rejected the {what}: {exc.message}",
+                                 EXIT_CONFIG if exc.status in (401, 409, 422) else EXIT_FAILED) from None
+            except MasterUnreachableError as exc:
+                if time.monotonic() - self._last_contact > self.settings.master_timeout_s:
+                    raise AgentError(str(exc)) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)

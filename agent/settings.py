@@ -1,0 +1,39 @@
+"""Agent settings: resolved once from the CLI, then passed down frozen."""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+from master.settings import JobSettings
+
+#: Seconds between SIGTERM and SIGKILL when stopping workers.
+DEFAULT_STOP_GRACE_S = 5.0
+#: How long healthy workers keep training while no master answers, before the agent gives up.
+DEFAULT_MASTER_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Everything one node's agent needs to run its share of a job."""
+
+    argv: tuple[str, ...]  # the worker command line
+    nproc: int
+    job: JobSettings  # the job settings this agent expects (and hosts, when it embeds the master)
+    token: str
+    node_id: str
+    #: Master addresses (``HOST:PORT``); empty in standalone mode, where the agent embeds the master.
+    masters: tuple[str, ...] = ()
+    #: Host an embedded master at this address if none answers there (torchrun's c10d convenience).
+    host_master_at: str | None = None
+    local_addr: str | None = None
+    role: str = "default"
+    log_dir: pathlib.Path | None = None
+    ckpt_dir: pathlib.Path | None = None
+    stop_grace_s: float = DEFAULT_STOP_GRACE_S
+    master_timeout_s: float = DEFAULT_MASTER_TIMEOUT_S
+    cwd: str | None = None
+
+    @property
+    def standalone(self) -> bool:
+        return not self.masters

@@ -1,0 +1,174 @@
+"""Wire protocol between the elastic agent and the job master (HTTP/JSON, ``/v1``).
+
+Every request carries two headers: ``Authorization: Bearer <token>`` and ``X-Elastic-Job: <job id>``.
+Errors come back as :class:`ErrorBody` with an HTTP status: 401 wrong token, 409 wrong job or
+conflicting settings, 404 unknown node, 413 body too large, 422 malformed request (field named).
+
+This module is shared by master and agent; it imports pydantic but never torch or a web framework.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+API_PREFIX = "/v1"
+JOB_HEADER = "X-Elastic-Job"
+MAX_BODY_BYTES = 64 * 1024
+#: Upper bound for any long-poll the master serves; clients ask for less and loop.
+LONG_POLL_CAP_S = 30.0
+
+_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
+
+
+class _Model(BaseModel):
+    # Unknown fields are rejected so that typos in requests surface as 422 instead of being ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodeState(str, Enum):
+    """What an agent reports about its local worker group."""
+
+    WAITING = "waiting"  # joined, waiting for a round that includes it
+    STARTING = "starting"  # assigned to a round, workers being started
+    RUNNING = "running"  # workers running
+    SUCCEEDED = "succeeded"  # all local workers exited 0
+    FAILED = "failed"  # a local worker failed or hung
+
+
+class Command(str, Enum):
+    """What the master tells an agent to do in reply to a heartbeat or watch."""
+
+    CONTINUE = "continue"  # keep the workers running
+    REJOIN = "rejoin"  # stop the workers and join the next round
+    STOP = "stop"  # the job is over: stop the workers and exit with ``exit_code``
+
+
+class WorkerFailure(_Model):
+    """The root cause of a local worker-group failure, as reported by an agent."""
+
+    rank: int = Field(ge=0, description="Global rank of the first worker that failed.")
+    local_rank: int = Field(ge=0)
+    exit_code: int | None = Field(default=None, description="Exit code, or None when killed by a signal.")
+    signal: str | None = Field(default=None, description="Signal name when the worker was killed by one.")
+    message: str = Field(default="", max_length=8192, description="Error message the worker left, if any.")
+    kind: str = Field(default="crash", description="crash | hang")
+
+
+class WorkerProgress(_Model):
+    local_rank: int = Field(ge=0)
+    pid: int | None = None
+    status: str = "running"
+    step: int | None = None
+    step_time_s: float | None = None
+
+
+class JoinRequest(_Model):
+    node_id: str = Field(pattern=_ID_PATTERN)
+    host: str = Field(min_length=1, max_length=255, description="Address that other nodes reach this node on.")
+    nproc: int = Field(ge=1, le=4096, description="Number of workers this node runs.")
+    store_port: int = Field(ge=1, le=65535, description="Free port for the workers' store if rank 0.")
+    min_nodes: int = Field(ge=1, description="The agent's view of the job size, checked against the master's.")
+    max_nodes: int = Field(ge=1)
+
+
+class JoinReply(_Model):
+    round: int = Field(description="The round the node now waits for (the master's next round).")
+    master_id: str
+
+
+class Assignment(_Model):
+    """A node's place in a closed rendezvous round."""
+
+    round: int
+    node_rank: int
+    nnodes: int
+    rank_offset: int = Field(description="Global rank of this node's local rank 0.")
+    world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    max_restarts: int
+    members: list[str] = Field(description="Node ids in rank order.")
+
+
+class Outcome(_Model):
+    """How the job ended."""
+
+    succeeded: bool
+    exit_code: int
+    summary: str = ""
+
+
+class RoundReply(_Model):
+    """Reply of the long-poll for the next round."""
+
+    status: str = Field(description="assigned | waiting | finished")
+    assignment: Assignment | None = None
+    outcome: Outcome | None = None
+    round: int = Field(description="The master's current round number.")
+
+
+class HeartbeatRequest(_Model):
+    node_id: str = Field(pattern=_ID_PATTERN)
+    round: int = Field(ge=0, description="The round this node's workers belong to (0 while waiting).")
+    state: NodeState
+    workers: list[WorkerProgress] = Field(default_factory=list, max_length=4096)
+    failure: WorkerFailure | None = None
+
+
+class CommandReply(_Model):
+    command: Command
+    round: int = Field(description="The master's current round number.")
+    outcome: Outcome | None = None
+    master_id: str = ""
+
+
+class LeaveRequest(_Model):
+    node_id: str = Field(pattern=_ID_PATTERN)
+    reason: str = Field(default="", max_length=1024)
+
+
+class JobInfo(_Model):
+    """Settings an agent must agree with; served at ``GET /v1/info``."""
+
+    job_id: str
+    master_id: str
+    min_nodes: int
+    max_nodes: int
+    node_unit: int
+    max_restarts: int
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    last_call_s: float
+    join_timeout_s: float
+
+
+class NodeStatus(_Model):
+    node_id: str
+    rank: int | None
+    state: str
+    heartbeat_age_s: float | None
+    restarts: int
+    round: int
+    host: str
+    nproc: int
+
+
+class JobStatus(_Model):
+    job_id: str
+    master_id: str
+    phase: str
+    round: int
+    world_size: int
+    nnodes: int
+    restart_count: int
+    max_restarts: int
+    outcome: Outcome | None = None
+    nodes: list[NodeStatus]
+
+
+class ErrorBody(_Model):
+    error: str
+    message: str

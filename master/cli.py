@@ -1,0 +1,130 @@
+"""``elastic-master``: the job master daemon, and ``elastic-master status``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+
+from elastic.auth import TokenError, create_token_file, read_token_file
+from master import settings as ms
+
+log = logging.getLogger("elastic.master")
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+
+
+def _resolve_token(token_file: str | None) -> str:
+    """Token from --token-file (created with a random token when missing), else ELASTIC_TOKEN."""
+    if token_file:
+        if not os.path.exists(token_file):
+            token = create_token_file(token_file)
+            log.info("created token file %s (share it with every agent of the job)", token_file)
+            return token
+        return read_token_file(token_file)
+    if os.environ.get("ELASTIC_TOKEN"):
+        return os.environ["ELASTIC_TOKEN"]
+    raise click.UsageError("pass --token-file PATH (created if missing) or set ELASTIC_TOKEN")
+
+
+@click.group(context_settings=CONTEXT, invoke_without_command=True)
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=29400, show_default=True, help="Port to listen on.")
+@click.option("--job-id", default=None, help="Id of the job this master serves (required to serve).")
+@click.option("--nnodes", default="1:1", show_default=True, help="Number of nodes, N or MIN:MAX.")
+@click.option("--node-unit", type=click.IntRange(min=1), default=1, show_default=True,
+              help="The node count of a round is a multiple of this.")
+@click.option("--last-call", type=click.FloatRange(min=0), default=ms.DEFAULT_LAST_CALL_S, show_default=True,
+              help="Seconds to wait for more nodes once MIN joined, and before admitting new nodes.")
+@click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True), default=ms.DEFAULT_JOIN_TIMEOUT_S,
+              show_default=True, help="Fail the job when a round cannot form within this many seconds.")
+@click.option("--heartbeat-interval", type=click.FloatRange(min=0, min_open=True),
+              default=ms.DEFAULT_HEARTBEAT_INTERVAL_S, show_default=True, help="Seconds between agent heartbeats.")
+@click.option("--heartbeat-timeout", type=click.FloatRange(min=0, min_open=True),
+              default=ms.DEFAULT_HEARTBEAT_TIMEOUT_S, show_default=True,
+              help="A node is declared dead after this many seconds without a heartbeat.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=ms.DEFAULT_MAX_RESTARTS, show_default=True,
+              help="Job-wide restarts after worker failures (membership changes are free).")
+@click.option("--token-file", type=click.Path(dir_okay=False), default=None,
+              help="Bearer token file; created with a random token if missing.")
+@click.pass_context
+def cli(ctx: click.Context, **opts) -> None:
+    """Serve one elastic job: rendezvous rounds, heartbeats, failure verdicts.
+
+    \b
+    Example:
+      elastic-master --port 29400 --job-id j1 --nnodes 2:4 --token-file tok
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if not opts["job_id"]:
+        raise click.UsageError("--job-id is required to serve a job")
+    try:
+        low, high = ms.parse_nnodes(opts["nnodes"])
+        job = ms.JobSettings(
+            job_id=opts["job_id"], min_nodes=low, max_nodes=high, node_unit=opts["node_unit"],
+            last_call_s=opts["last_call"], join_timeout_s=opts["join_timeout"],
+            heartbeat_interval_s=opts["heartbeat_interval"], heartbeat_timeout_s=opts["heartbeat_timeout"],
+            max_restarts=opts["max_restarts"],
+        )
+    except ms.SettingsError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        token = _resolve_token(opts["token_file"])
+    except (TokenError, OSError) as exc:
+        raise click.UsageError(str(exc)) from None
+    from master.server import bind_socket, serve_forever  # web stack only when serving
+
+    settings = ms.ServerSettings(job=job, token=token, host=opts["host"], port=opts["port"])
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
+    host, port = sock.getsockname()[:2]
+    log.info("listening on %s:%d", host, port)
+    serve_forever(settings, sock)
+
+
+@cli.command()
+@click.option("--master", "master", required=True, help="Master HOST:PORT (comma-separated for several).")
+@click.option("--job-id", required=True, help="Job id.")
+@click.option("--token-file", type=click.Path(dir_okay=False), default=None, help="Bearer token file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON status.")
+def status(master: str, job_id: str, token_file: str | None, as_json: bool) -> None:
+    """Print the job's nodes: id, rank, state, heartbeat age, restarts, round, world size."""
+    from agent.client import MasterClient, MasterError, parse_addresses
+    from elastic.auth import derived_token
+    from master.status_view import render_status
+
+    try:
+        addresses = parse_addresses(master)
+        token = read_token_file(token_file) if token_file else os.environ.get("ELASTIC_TOKEN") or derived_token(job_id)
+    except (ValueError, TokenError) as exc:
+        raise click.UsageError(str(exc)) from None
+    client = MasterClient(addresses, job_id, token)
+    try:
+        job = client.status()
+    except MasterError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        client.close()
+    click.echo(job.model_dump_json(indent=2) if as_json else render_status(job))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: one-line errors, exit 2 for bad input."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        code = cli.main(args=argv, prog_name="elastic-master", standalone_mode=False)
+    except click.UsageError as exc:
+        print(f"elastic-master: error: {exc.format_message()} (see 'elastic-master --help')", file=sys.stderr)
+        sys.exit(2)
+    except click.ClickException as exc:
+        print(f"elastic-master: error: {exc.format_message()}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

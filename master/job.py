@@ -1,0 +1,341 @@
+"""The job state machine: rendezvous + liveness + restarts + outcome. Pure: no I/O, time is ``now``.
+
+The HTTP server is a thin shell: it calls these methods, and wakes long-polls whenever
+:attr:`Job.version` changes. Every state change appends one :class:`Event`, which the server logs as
+one line and the status view reads.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+from elastic.protocol import (
+    Assignment,
+    Command,
+    CommandReply,
+    HeartbeatRequest,
+    JobInfo,
+    JobStatus,
+    JoinReply,
+    JoinRequest,
+    NodeState,
+    NodeStatus,
+    Outcome,
+    RoundReply,
+    WorkerFailure,
+    WorkerProgress,
+)
+from master.liveness import Liveness
+from master.rendezvous import Candidate, Phase, Rendezvous
+from master.settings import JobSettings
+
+EXIT_FAILED = 1
+
+
+class JobError(Exception):
+    """Base of the errors a request can cause; ``code`` names it on the wire."""
+
+    code = "job_error"
+    http_status = 400
+
+
+class UnknownNodeError(JobError):
+    code = "unknown_node"
+    http_status = 404
+
+
+class SettingsMismatchError(JobError):
+    code = "settings_mismatch"
+    http_status = 409
+
+
+@dataclass(frozen=True)
+class Event:
+    at: float
+    kind: str
+    message: str
+
+
+@dataclass
+class NodeInfo:
+    node_id: str
+    host: str
+    nproc: int
+    state: NodeState = NodeState.WAITING
+    round: int = 0
+    failures: int = 0
+    workers: list[WorkerProgress] = field(default_factory=list)
+
+
+def _describe_failure(node_id: str, failure: WorkerFailure) -> str:
+    how = f"signal {failure.signal}" if failure.signal else f"exit code {failure.exit_code}"
+    what = "hung" if failure.kind == "hang" else "failed"
+    text = f"rank {failure.rank} (local rank {failure.local_rank} on node {node_id}) {what} with {how}"
+    if failure.message:
+        text += f": {failure.message.strip()}"
+    return text
+
+
+class Job:
+    """All master-side state of one job."""
+
+    def __init__(self, settings: JobSettings, now: float, master_id: str | None = None) -> None:
+        self.settings = settings
+        self.master_id = master_id or uuid.uuid4().hex[:12]
+        self.rdzv = Rendezvous(settings)
+        self.liveness = Liveness(settings.heartbeat_timeout_s)
+        self.nodes: dict[str, NodeInfo] = {}
+        self.restart_count = 0
+        self.outcome: Outcome | None = None
+        self.events: deque[Event] = deque(maxlen=1000)
+        self.event_count = 0  # events ever recorded (the deque keeps the newest)
+        self.version = 0
+        self._round_failed: set[int] = set()  # rounds whose failure was already counted
+        self._succeeded: set[str] = set()  # members of the current round that finished
+        self.started_at = now
+
+    # -- requests ---------------------------------------------------------------------------------
+    def info(self) -> JobInfo:
+        s = self.settings
+        return JobInfo(
+            job_id=s.job_id,
+            master_id=self.master_id,
+            min_nodes=s.min_nodes,
+            max_nodes=s.max_nodes,
+            node_unit=s.node_unit,
+            max_restarts=s.max_restarts,
+            heartbeat_interval_s=s.heartbeat_interval_s,
+            heartbeat_timeout_s=s.heartbeat_timeout_s,
+            last_call_s=s.last_call_s,
+            join_timeout_s=s.join_timeout_s,
+        )
+
+    def join(self, req: JoinRequest, now: float) -> JoinReply:
+        """A node asks to take part in the next round."""
+        s = self.settings
+        if (req.min_nodes, req.max_nodes) != (s.min_nodes, s.max_nodes):
+            raise SettingsMismatchError(
+                f"node {req.node_id} asks for --nnodes {req.min_nodes}:{req.max_nodes} but job "
+                f"{s.job_id} runs with {s.min_nodes}:{s.max_nodes}; start every agent with the same --nnodes"
+            )
+        if self.outcome is None:
+            was_member = self.rdzv.is_member(req.node_id)
+            node = self.nodes.get(req.node_id)
+            if node is None:
+                node = self.nodes[req.node_id] = NodeInfo(req.node_id, req.host, req.nproc)
+            node.host, node.nproc, node.state = req.host, req.nproc, NodeState.WAITING
+            self.liveness.beat(req.node_id, now)
+            self.rdzv.join(Candidate(req.node_id, req.host, req.nproc, req.store_port, now), now)
+            self._event(now, "node_joined", f"node {req.node_id} ({req.host}, {req.nproc} workers) joined")
+            if was_member:
+                # A member joining a running round means its agent restarted: a membership change.
+                self._open_round(now, f"member {req.node_id} rejoined", counted=False)
+            self._advance(now)
+        return JoinReply(round=self.rdzv.round, master_id=self.master_id)
+
+    def next_round(self, node_id: str, after: int) -> RoundReply | None:
+        """The node's assignment in a round newer than ``after``; None while there is none yet."""
+        if self.outcome is not None:
+            return RoundReply(status="finished", outcome=self.outcome, round=self.rdzv.round)
+        if node_id not in self.nodes:
+            raise UnknownNodeError(f"node {node_id} has not joined job {self.settings.job_id}")
+        current = self.rdzv.current
+        if self.rdzv.phase is Phase.ACTIVE and current and current.number > after:
+            slot = current.slot(node_id)
+            if slot is not None:
+                return RoundReply(status="assigned", assignment=self._assignment(slot), round=current.number)
+        if not self.rdzv.has_joined(node_id) and not self.rdzv.is_member(node_id):
+            raise UnknownNodeError(f"node {node_id} is not waiting for a round; join first")
+        return None
+
+    def heartbeat(self, req: HeartbeatRequest, now: float) -> CommandReply:
+        """Record a node's state; act on a failure or success; say what the node must do."""
+        node = self.nodes.get(req.node_id)
+        if node is None:
+            if self.outcome is not None:
+                return self._reply(Command.STOP)
+            raise UnknownNodeError(f"node {req.node_id} is not part of job {self.settings.job_id}; join first")
+        self.liveness.beat(req.node_id, now)
+        node.workers = list(req.workers)
+        current_round = req.round == self.rdzv.round and self.rdzv.is_member(req.node_id)
+        if current_round and node.state != req.state:
+            node.state, node.round = req.state, req.round
+            self.version += 1
+        if current_round and req.state is NodeState.FAILED and self.outcome is None:
+            self._on_failure(node, req.failure, now)
+        elif current_round and req.state is NodeState.SUCCEEDED and self.outcome is None:
+            self._on_success(node, now)
+        return self.command_for(req.node_id, req.round)
+
+    def leave(self, node_id: str, reason: str, now: float) -> None:
+        """Orderly departure (the agent was told to stop, e.g. preemption): a membership change."""
+        if node_id not in self.nodes:
+            raise UnknownNodeError(f"node {node_id} is not part of job {self.settings.job_id}")
+        self._remove(node_id, f"node {node_id} left" + (f" ({reason})" if reason else ""), "node_left", now)
+
+    def command_for(self, node_id: str, node_round: int) -> CommandReply:
+        """What a node whose workers run in ``node_round`` must do now (used by heartbeat and watch)."""
+        if self.outcome is not None:
+            return self._reply(Command.STOP)
+        if node_round and (node_round != self.rdzv.round or self.rdzv.phase is Phase.OPEN):
+            return self._reply(Command.REJOIN)
+        if node_round and not self.rdzv.is_member(node_id):
+            return self._reply(Command.REJOIN)
+        return self._reply(Command.CONTINUE)
+
+    # -- time -------------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Apply every time-driven transition: dead nodes, round close, growth, join timeout."""
+        if self.outcome is not None:
+            return
+        for node_id in self.liveness.dead(now):
+            age = self.liveness.age(node_id, now)
+            self._remove(node_id, f"node {node_id} declared dead (no heartbeat for {age:.1f}s)", "node_dead", now)
+            if self.outcome is not None:
+                return
+        self._advance(now)
+
+    # -- views ------------------------------------------------------------------------------------
+    def status(self, now: float) -> JobStatus:
+        current = self.rdzv.current
+        active = self.rdzv.phase is Phase.ACTIVE and current is not None
+        rows = []
+        for node in self.nodes.values():
+            slot = current.slot(node.node_id) if active else None
+            rows.append(
+                NodeStatus(
+                    node_id=node.node_id,
+                    rank=slot.node_rank if slot else None,
+                    state=node.state.value,
+                    heartbeat_age_s=self.liveness.age(node.node_id, now),
+                    restarts=node.failures,
+                    round=node.round,
+                    host=node.host,
+                    nproc=node.nproc,
+                )
+            )
+        if self.outcome is not None:
+            phase = "succeeded" if self.outcome.succeeded else "failed"
+        else:
+            phase = "training" if active else "rendezvous"
+        return JobStatus(
+            job_id=self.settings.job_id,
+            master_id=self.master_id,
+            phase=phase,
+            round=self.rdzv.round,
+            world_size=current.world_size if active else 0,
+            nnodes=len(current.slots) if active else 0,
+            restart_count=self.restart_count,
+            max_restarts=self.settings.max_restarts,
+            outcome=self.outcome,
+            nodes=rows,
+        )
+
+    # -- internals --------------------------------------------------------------------------------
+    def _reply(self, command: Command) -> CommandReply:
+        return CommandReply(command=command, round=self.rdzv.round, outcome=self.outcome, master_id=self.master_id)
+
+    def _assignment(self, slot) -> Assignment:
+        current = self.rdzv.current
+        return Assignment(
+            round=current.number,
+            node_rank=slot.node_rank,
+            nnodes=len(current.slots),
+            rank_offset=slot.rank_offset,
+            world_size=current.world_size,
+            master_addr=current.master_addr,
+            master_port=current.master_port,
+            restart_count=self.restart_count,
+            max_restarts=self.settings.max_restarts,
+            members=current.members,
+        )
+
+    def _event(self, now: float, kind: str, message: str) -> None:
+        self.events.append(Event(now, kind, message))
+        self.event_count += 1
+        self.version += 1
+
+    def _finish(self, outcome: Outcome, now: float) -> None:
+        self.outcome = outcome
+        self._event(now, "job_succeeded" if outcome.succeeded else "job_failed", outcome.summary)
+
+    def _open_round(self, now: float, why: str, *, counted: bool) -> None:
+        expected = set(self.rdzv.current.members) if self.rdzv.current else set()
+        expected &= set(self.nodes)
+        self._succeeded.clear()
+        number = self.rdzv.open_round(now, expected)
+        kind = "restart" if counted else "membership change"
+        self._event(now, "round_opened", f"round {number} opened ({kind}: {why}); restarts {self.restart_count}"
+                    f"/{self.settings.max_restarts}")
+
+    def _on_failure(self, node: NodeInfo, failure: WorkerFailure | None, now: float) -> None:
+        round_number = self.rdzv.round
+        if round_number in self._round_failed:
+            return  # already counted: one failure costs one restart of the world
+        self._round_failed.add(round_number)
+        node.failures += 1
+        cause = _describe_failure(node.node_id, failure) if failure else f"node {node.node_id} reported a failure"
+        self._event(now, "worker_failed", f"round {round_number}: {cause}")
+        if self._succeeded:
+            self._finish(Outcome(succeeded=False, exit_code=EXIT_FAILED,
+                                 summary=f"{cause} after other nodes had finished; cannot restart"), now)
+        elif self.restart_count >= self.settings.max_restarts:
+            attempts = self.restart_count + 1
+            self._finish(Outcome(succeeded=False, exit_code=EXIT_FAILED,
+                                 summary=f"job failed after {attempts} attempt(s) "
+                                         f"(max restarts {self.settings.max_restarts}); root cause: {cause}"), now)
+        else:
+            self.restart_count += 1
+            self._open_round(now, cause, counted=True)
+            self._advance(now)
+
+    def _on_success(self, node: NodeInfo, now: float) -> None:
+        self._succeeded.add(node.node_id)
+        # A finished node stops heartbeating; that is not death.
+        self.liveness.forget(node.node_id)
+        self._event(now, "node_succeeded", f"node {node.node_id} finished round {self.rdzv.round}")
+        if set(self.rdzv.current.members) <= self._succeeded:
+            self._finish(Outcome(succeeded=True, exit_code=0, summary="all workers succeeded"), now)
+
+    def _remove(self, node_id: str, why: str, kind: str, now: float) -> None:
+        was_member = self.rdzv.is_member(node_id) and node_id not in self._succeeded
+        self.liveness.forget(node_id)
+        self.rdzv.remove(node_id, now)
+        node = self.nodes.pop(node_id, None)
+        if node is None:
+            return
+        self._event(now, kind, why)
+        if not was_member or self.outcome is not None:
+            return
+        if self._succeeded:
+            self._finish(Outcome(succeeded=False, exit_code=EXIT_FAILED,
+                                 summary=f"{why} after other nodes had finished; cannot restart"), now)
+            return
+        self._open_round(now, why, counted=False)
+        self._advance(now)
+
+    def _advance(self, now: float) -> None:
+        """Close the open round, start growth, or time out the rendezvous, as due."""
+        rdzv = self.rdzv
+        if rdzv.phase is Phase.ACTIVE and rdzv.growth_due(now):
+            self._open_round(now, f"admitting waiting nodes {', '.join(rdzv.waiting)}", counted=False)
+        if rdzv.phase is Phase.OPEN:
+            closed = rdzv.try_close(now)
+            if closed is not None:
+                for slot in closed.slots:
+                    self.nodes[slot.node_id].state = NodeState.STARTING
+                    self.nodes[slot.node_id].round = closed.number
+                waiting = f"; waiting: {', '.join(rdzv.waiting)}" if rdzv.waiting else ""
+                self._event(now, "round_closed",
+                            f"round {closed.number} closed: {len(closed.slots)} nodes, world size "
+                            f"{closed.world_size}, members {', '.join(closed.members)}{waiting}")
+                return
+            deadline = rdzv.join_deadline()
+            if deadline is not None and now >= deadline:
+                have = len(rdzv.waiting)
+                self._finish(Outcome(succeeded=False, exit_code=EXIT_FAILED,
+                                     summary=f"rendezvous timed out after {self.settings.join_timeout_s:g}s: "
+                                             f"{have} node(s) joined, at least {self.settings.min_nodes} needed "
+                                             f"(node unit {self.settings.node_unit})"), now)

@@ -1,0 +1,313 @@
+"""HTTP shell over :class:`master.job.Job`: FastAPI routes, auth, long-polls, and the tick loop.
+
+The same code serves the ``elastic-master`` daemon and the master embedded in ``elastic-run``.
+All job state is touched only from the event loop thread, so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Annotated, TypeVar
+
+import uvicorn
+from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from elastic.protocol import (
+    API_PREFIX,
+    JOB_HEADER,
+    LONG_POLL_CAP_S,
+    MAX_BODY_BYTES,
+    CommandReply,
+    ErrorBody,
+    HeartbeatRequest,
+    JobInfo,
+    JobStatus,
+    JoinReply,
+    JoinRequest,
+    LeaveRequest,
+    RoundReply,
+)
+from master.job import Job, JobError
+from master.settings import ServerSettings
+
+log = logging.getLogger("elastic.master")
+T = TypeVar("T")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+class Notifier:
+    """Wakes every waiter when job state changes (a broadcast, unlike a single asyncio.Event)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> None:
+        event = self._event
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+
+
+class MasterService:
+    """Owns the job, the clock, the tick loop and the wake-ups of long-polls."""
+
+    def __init__(self, settings: ServerSettings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.clock = clock
+        self.job = Job(settings.job, clock())
+        self._notifier: Notifier | None = None
+        self._logged_events = 0
+        self._seen_version = self.job.version
+
+    @property
+    def notifier(self) -> Notifier:
+        if self._notifier is None:  # created lazily inside the running loop
+            self._notifier = Notifier()
+        return self._notifier
+
+    def changed(self) -> None:
+        """Call after every mutation: logs new events and wakes waiters if anything changed."""
+        job = self.job
+        fresh = min(job.event_count - self._logged_events, len(job.events))
+        for event in list(job.events)[len(job.events) - fresh:]:
+            log.info("%s: %s", event.kind, event.message)
+        self._logged_events = job.event_count
+        if job.version != self._seen_version:
+            self._seen_version = job.version
+            self.notifier.notify()
+
+    def tick(self) -> None:
+        self.job.tick(self.clock())
+        self.changed()
+
+    async def tick_forever(self) -> None:
+        period = min(0.1, self.settings.job.heartbeat_interval_s / 4)
+        while True:
+            self.tick()
+            await asyncio.sleep(period)
+
+    async def long_poll(self, probe: Callable[[], T | None], timeout: float) -> T | None:
+        """Return ``probe()`` as soon as it is not None, or None after ``timeout`` (capped)."""
+        deadline = self.clock() + min(max(timeout, 0.0), LONG_POLL_CAP_S)
+        while True:
+            result = probe()
+            remaining = deadline - self.clock()
+            if result is not None or remaining <= 0:
+                return result
+            await self.notifier.wait(remaining)
+
+
+class BodySizeLimit:
+    """ASGI middleware: reject request bodies over ``limit`` bytes with 413 before parsing them."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await _too_large(send, self.limit)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise ApiError(413, "body_too_large", f"request body exceeds {self.limit} bytes")
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
+
+async def _too_large(send, limit: int) -> None:
+    body = ErrorBody(error="body_too_large", message=f"request body exceeds {limit} bytes").model_dump_json()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body.encode()})
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content=ErrorBody(error=code, message=message).model_dump())
+
+
+def _describe_validation(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "malformed request"
+
+
+def create_app(service: MasterService) -> FastAPI:
+    """Build the FastAPI application for one job."""
+    job_id, token = service.settings.job.job_id, service.settings.token
+
+    def authorize(
+        authorization: Annotated[str | None, Header()] = None,
+        x_elastic_job: Annotated[str | None, Header(alias=JOB_HEADER)] = None,
+    ) -> None:
+        given = (authorization or "").removeprefix("Bearer ").strip()
+        if not given or not secrets.compare_digest(given.encode(), token.encode()):
+            raise ApiError(401, "unauthorized", "missing or wrong bearer token; check --token-file")
+        if x_elastic_job != job_id:
+            raise ApiError(409, "wrong_job", f"this master serves job {job_id!r}, not {x_elastic_job!r}")
+
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(service.tick_forever())
+        s = service.settings.job
+        log.info("master %s serving job %s: nnodes %d:%d, node unit %d, last call %gs, heartbeat %gs/%gs, "
+                 "max restarts %d", service.job.master_id, job_id, s.min_nodes, s.max_nodes, s.node_unit,
+                 s.last_call_s, s.heartbeat_interval_s, s.heartbeat_timeout_s, s.max_restarts)
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(title="elastic-run job master", version="1", lifespan=lifespan,
+                  dependencies=[Depends(authorize)], docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.code, exc.message)
+
+    @app.exception_handler(JobError)
+    async def _job_error(request: Request, exc: JobError) -> JSONResponse:
+        return _error(exc.http_status, exc.code, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(422, "invalid_request", _describe_validation(exc))
+
+    def mutate(action: Callable[[], T]) -> T:
+        try:
+            return action()
+        finally:
+            service.changed()
+
+    @app.get(f"{API_PREFIX}/info")
+    async def info() -> JobInfo:
+        return service.job.info()
+
+    @app.post(f"{API_PREFIX}/join")
+    async def join(req: JoinRequest) -> JoinReply:
+        return mutate(lambda: service.job.join(req, service.clock()))
+
+    @app.get(f"{API_PREFIX}/round")
+    async def next_round(
+        node_id: Annotated[str, Query(min_length=1, max_length=128)],
+        after: Annotated[int, Query(ge=0)] = 0,
+        timeout: Annotated[float, Query(ge=0, le=LONG_POLL_CAP_S)] = 10.0,
+    ) -> RoundReply:
+        reply = await service.long_poll(lambda: service.job.next_round(node_id, after), timeout)
+        return reply or RoundReply(status="waiting", round=service.job.rdzv.round)
+
+    @app.post(f"{API_PREFIX}/heartbeat")
+    async def heartbeat(req: HeartbeatRequest) -> CommandReply:
+        return mutate(lambda: service.job.heartbeat(req, service.clock()))
+
+    @app.get(f"{API_PREFIX}/watch")
+    async def watch(
+        node_id: Annotated[str, Query(min_length=1, max_length=128)],
+        round: Annotated[int, Query(ge=0)],
+        timeout: Annotated[float, Query(ge=0, le=LONG_POLL_CAP_S)] = 10.0,
+    ) -> CommandReply:
+        """Long-poll: returns as soon as the node must do something other than continue."""
+
+        def probe() -> CommandReply | None:
+            reply = service.job.command_for(node_id, round)
+            return None if reply.command.value == "continue" else reply
+
+        return await service.long_poll(probe, timeout) or service.job.command_for(node_id, round)
+
+    @app.post(f"{API_PREFIX}/leave")
+    async def leave(req: LeaveRequest) -> CommandReply:
+        mutate(lambda: service.job.leave(req.node_id, req.reason, service.clock()))
+        return service.job.command_for(req.node_id, 0)
+
+    @app.get(f"{API_PREFIX}/status")
+    async def status() -> JobStatus:
+        return service.job.status(service.clock())
+
+    app.add_middleware(BodySizeLimit)
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening socket up front so that a busy port fails fast and port 0 is resolved."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def _uvicorn_server(app: FastAPI) -> uvicorn.Server:
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            timeout_keep_alive=int(LONG_POLL_CAP_S) + 5, ws="none")
+    return uvicorn.Server(config)
+
+
+def serve_forever(settings: ServerSettings, sock: socket.socket) -> None:
+    """Run the master in this (main) thread until SIGINT/SIGTERM."""
+    server = _uvicorn_server(create_app(MasterService(settings)))
+    server.run(sockets=[sock])
+
+
+class EmbeddedMaster:
+    """A master running in a background thread of another process (``elastic-run --standalone``)."""
+
+    def __init__(self, settings: ServerSettings, sock: socket.socket | None = None) -> None:
+        self.settings = settings
+        self._sock = sock or bind_socket(settings.host, settings.port)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self.service = MasterService(settings)
+        self._server = _uvicorn_server(create_app(self.service))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="elastic-master", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedMaster:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"embedded master failed to start on {self.address}")
+            time.sleep(0.005)  # start-up handshake only; uvicorn exposes no event for it
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=5)
+        self._sock.close()
