@@ -49,6 +49,8 @@ def connect_or_host_master(settings: AgentSettings, embed_at: str | None):
                 time.sleep(0.2)  # the master may still be starting
             except MasterError as exc:
                 code = EXIT_CONFIG if getattr(exc, "status", 0) in (401, 409) else 1
-                raise AgentError(f"master at {', '.join(settings.masters)} refused this agent: {exc}", code) from None
+                raise AgentError(
+                    f"master at {', '.join(settings.masters)} refused this agent: {exc}", code
+                ) from None
     finally:
         client.close()

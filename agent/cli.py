@@ -36,13 +36,16 @@ def _nproc(value: str) -> int:
     if value in ("gpu", "auto"):
         gpus = _visible_gpus()
         if value == "gpu" and gpus == 0:
-            raise click.BadParameter("'gpu' was asked for but no GPU is visible", param_hint="--nproc-per-node")
+            raise click.BadParameter(
+                "'gpu' was asked for but no GPU is visible", param_hint="--nproc-per-node"
+            )
         return gpus or (os.cpu_count() or 1)
     try:
         count = int(value)
     except ValueError:
-        raise click.BadParameter(f"must be a positive integer, cpu, gpu or auto; got {value!r}",
-                                 param_hint="--nproc-per-node") from None
+        raise click.BadParameter(
+            f"must be a positive integer, cpu, gpu or auto; got {value!r}", param_hint="--nproc-per-node"
+        ) from None
     if count < 1:
         raise click.BadParameter(f"must be at least 1, got {count}", param_hint="--nproc-per-node")
     return count
@@ -66,7 +69,9 @@ def _rdzv_conf(text: str) -> dict[str, float]:
             try:
                 out[_RDZV_CONF_KEYS[key]] = float(value)
             except ValueError:
-                raise click.BadParameter(f"{key} must be a number of seconds", param_hint="--rdzv-conf") from None
+                raise click.BadParameter(
+                    f"{key} must be a number of seconds", param_hint="--rdzv-conf"
+                ) from None
         # Other torchrun keys (timeout, read_timeout, is_host, ...) have no meaning here and are ignored.
     return out
 
@@ -96,65 +101,187 @@ def _token(token_file: str | None, job_id: str, standalone: bool) -> str:
     return secrets.token_urlsafe(24) if standalone else derived_token(job_id)
 
 
-CONTEXT = {"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "PET", "allow_interspersed_args": False,
-           "max_content_width": 110}
+CONTEXT = {
+    "help_option_names": ["-h", "--help"],
+    "auto_envvar_prefix": "PET",
+    "allow_interspersed_args": False,
+    "max_content_width": 110,
+}
 
 
 @click.command(context_settings=CONTEXT)
 @click.option("--nnodes", default="1:1", show_default=True, help="Number of nodes, N or MIN:MAX.")
-@click.option("--nproc-per-node", "--nproc_per_node", "nproc_per_node", default="1", show_default=True,
-              help="Workers per node: a number, cpu, gpu or auto.")
+@click.option(
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "nproc_per_node",
+    default="1",
+    show_default=True,
+    help="Workers per node: a number, cpu, gpu or auto.",
+)
 @click.option("--standalone", is_flag=True, help="Single-node job with an embedded master on a free port.")
-@click.option("--rdzv-endpoint", "--rdzv_endpoint", "--master", "rdzv_endpoint", default="",
-              help="Job master HOST:PORT (several, comma-separated, for standby masters).")
-@click.option("--rdzv-id", "--rdzv_id", "--job-id", "rdzv_id", default="none", show_default=True, help="Job id.")
-@click.option("--rdzv-backend", "--rdzv_backend", "rdzv_backend", default="c10d", show_default=True,
-              help="Accepted for torchrun compatibility; the elastic master is always used.")
-@click.option("--rdzv-conf", "--rdzv_conf", "rdzv_conf", default="",
-              help="torchrun's KEY=VALUE list; join_timeout and last_call_timeout are honoured.")
-@click.option("--max-restarts", "--max_restarts", "max_restarts", type=click.IntRange(min=0),
-              default=ms.DEFAULT_MAX_RESTARTS, show_default=True, help="Job-wide restarts after worker failures.")
-@click.option("--token-file", type=click.Path(dir_okay=False), default=None,
-              help="File with the job's bearer token (default: ELASTIC_TOKEN, else derived from the job id).")
+@click.option(
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--master",
+    "rdzv_endpoint",
+    default="",
+    help="Job master HOST:PORT (several, comma-separated, for standby masters).",
+)
+@click.option(
+    "--rdzv-id", "--rdzv_id", "--job-id", "rdzv_id", default="none", show_default=True, help="Job id."
+)
+@click.option(
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "rdzv_backend",
+    default="c10d",
+    show_default=True,
+    help="Accepted for torchrun compatibility; the elastic master is always used.",
+)
+@click.option(
+    "--rdzv-conf",
+    "--rdzv_conf",
+    "rdzv_conf",
+    default="",
+    help="torchrun's KEY=VALUE list; join_timeout and last_call_timeout are honoured.",
+)
+@click.option(
+    "--max-restarts",
+    "--max_restarts",
+    "max_restarts",
+    type=click.IntRange(min=0),
+    default=ms.DEFAULT_MAX_RESTARTS,
+    show_default=True,
+    help="Job-wide restarts after worker failures.",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="File with the job's bearer token (default: ELASTIC_TOKEN, else derived from the job id).",
+)
 @click.option("--node-id", default=None, help="Stable id of this node (default: HOSTNAME-PID).")
-@click.option("--local-addr", "--local_addr", "local_addr", default=None,
-              help="Address other nodes reach this node on (default: the route to the master).")
-@click.option("--master-addr", "--master_addr", "master_addr", default=None,
-              help="torchrun static rendezvous: used as the master host when no --rdzv-endpoint is given.")
-@click.option("--master-port", "--master_port", "master_port", type=click.IntRange(1, 65535), default=None,
-              help="torchrun static rendezvous: the master port (default 29500).")
-@click.option("--node-rank", "--node_rank", "node_rank", type=int, default=-1, hidden=True,
-              help="Accepted for torchrun compatibility; ranks are assigned by the master.")
+@click.option(
+    "--local-addr",
+    "--local_addr",
+    "local_addr",
+    default=None,
+    help="Address other nodes reach this node on (default: the route to the master).",
+)
+@click.option(
+    "--master-addr",
+    "--master_addr",
+    "master_addr",
+    default=None,
+    help="torchrun static rendezvous: used as the master host when no --rdzv-endpoint is given.",
+)
+@click.option(
+    "--master-port",
+    "--master_port",
+    "master_port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="torchrun static rendezvous: the master port (default 29500).",
+)
+@click.option(
+    "--node-rank",
+    "--node_rank",
+    "node_rank",
+    type=int,
+    default=-1,
+    hidden=True,
+    help="Accepted for torchrun compatibility; ranks are assigned by the master.",
+)
 @click.option("--role", default="default", show_default=True, help="Worker role name (ROLE_NAME).")
 @click.option("-m", "--module", is_flag=True, help="Run the script as a Python module (python -m).")
 @click.option("--no-python", "--no_python", "no_python", is_flag=True, help="Run the script as a command.")
 @click.option("--run-path", "--run_path", "run_path", is_flag=True, hidden=True, help="Accepted; no effect.")
-@click.option("--log-dir", "--log_dir", "log_dir", type=click.Path(file_okay=False), default=None,
-              help="Also write each worker's stdout/stderr under this folder.")
-@click.option("-r", "--redirects", default="0", hidden=True, help="Accepted; output is always shown, prefixed.")
+@click.option(
+    "--log-dir",
+    "--log_dir",
+    "log_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Also write each worker's stdout/stderr under this folder.",
+)
+@click.option(
+    "-r", "--redirects", default="0", hidden=True, help="Accepted; output is always shown, prefixed."
+)
 @click.option("-t", "--tee", default="0", hidden=True, help="Accepted; output is always shown, prefixed.")
-@click.option("--monitor-interval", "--monitor_interval", "monitor_interval", type=float, default=0.1, hidden=True,
-              help="Accepted; worker exits are seen at once.")
-@click.option("--start-method", "--start_method", "start_method", default="spawn", hidden=True,
-              type=click.Choice(["spawn", "fork", "forkserver"]), help="Accepted; workers are processes.")
-@click.option("--ckpt-dir", type=click.Path(file_okay=False), default=None,
-              help="Checkpoint folder, exported to workers as ELASTIC_CKPT_DIR.")
-@click.option("--node-unit", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Embedded master: node count is a multiple of this.")
-@click.option("--last-call", type=click.FloatRange(min=0), default=ms.DEFAULT_LAST_CALL_S, show_default=True,
-              help="Embedded master: seconds to wait for more nodes once MIN joined.")
-@click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True), default=ms.DEFAULT_JOIN_TIMEOUT_S,
-              show_default=True, help="Embedded master: fail when MIN nodes have not joined in this time.")
-@click.option("--heartbeat-interval", type=click.FloatRange(min=0, min_open=True),
-              default=ms.DEFAULT_HEARTBEAT_INTERVAL_S, show_default=True, help="Embedded master: seconds.")
-@click.option("--heartbeat-timeout", type=click.FloatRange(min=0, min_open=True),
-              default=ms.DEFAULT_HEARTBEAT_TIMEOUT_S, show_default=True,
-              help="Embedded master: a node is dead after this long without a heartbeat.")
-@click.option("--stop-grace", type=click.FloatRange(min=0), default=DEFAULT_STOP_GRACE_S, show_default=True,
-              help="Seconds between SIGTERM and SIGKILL when stopping workers.")
-@click.option("--master-timeout", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_MASTER_TIMEOUT_S,
-              show_default=True, help="Give up after the master is unreachable this long (workers keep "
-                                      "training meanwhile).")
+@click.option(
+    "--monitor-interval",
+    "--monitor_interval",
+    "monitor_interval",
+    type=float,
+    default=0.1,
+    hidden=True,
+    help="Accepted; worker exits are seen at once.",
+)
+@click.option(
+    "--start-method",
+    "--start_method",
+    "start_method",
+    default="spawn",
+    hidden=True,
+    type=click.Choice(["spawn", "fork", "forkserver"]),
+    help="Accepted; workers are processes.",
+)
+@click.option(
+    "--ckpt-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Checkpoint folder, exported to workers as ELASTIC_CKPT_DIR.",
+)
+@click.option(
+    "--node-unit",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Embedded master: node count is a multiple of this.",
+)
+@click.option(
+    "--last-call",
+    type=click.FloatRange(min=0),
+    default=ms.DEFAULT_LAST_CALL_S,
+    show_default=True,
+    help="Embedded master: seconds to wait for more nodes once MIN joined.",
+)
+@click.option(
+    "--join-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=ms.DEFAULT_JOIN_TIMEOUT_S,
+    show_default=True,
+    help="Embedded master: fail when MIN nodes have not joined in this time.",
+)
+@click.option(
+    "--heartbeat-interval",
+    type=click.FloatRange(min=0, min_open=True),
+    default=ms.DEFAULT_HEARTBEAT_INTERVAL_S,
+    show_default=True,
+    help="Embedded master: seconds.",
+)
+@click.option(
+    "--heartbeat-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=ms.DEFAULT_HEARTBEAT_TIMEOUT_S,
+    show_default=True,
+    help="Embedded master: a node is dead after this long without a heartbeat.",
+)
+@click.option(
+    "--stop-grace",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_STOP_GRACE_S,
+    show_default=True,
+    help="Seconds between SIGTERM and SIGKILL when stopping workers.",
+)
+@click.option(
+    "--master-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_MASTER_TIMEOUT_S,
+    show_default=True,
+    help="Give up after the master is unreachable this long (workers keep training meanwhile).",
+)
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 def cli(**opts) -> int:
@@ -176,8 +303,10 @@ def _settings(o: dict) -> tuple[AgentSettings, str | None]:
         endpoint = f"{o['master_addr'] or '127.0.0.1'}:{o['master_port'] or 29500}"
     standalone = o["standalone"] or not endpoint
     if standalone and max_nodes > 1:
-        raise click.UsageError(f"--nnodes {o['nnodes']} needs a master: pass --master HOST:PORT "
-                               "(or --rdzv-endpoint); --standalone is for single-node jobs")
+        raise click.UsageError(
+            f"--nnodes {o['nnodes']} needs a master: pass --master HOST:PORT "
+            "(or --rdzv-endpoint); --standalone is for single-node jobs"
+        )
     masters: tuple[str, ...] = ()
     if not standalone:
         try:
@@ -189,10 +318,16 @@ def _settings(o: dict) -> tuple[AgentSettings, str | None]:
         job_id = f"standalone-{uuid.uuid4().hex[:8]}"
     try:
         job = ms.JobSettings(
-            job_id=job_id, min_nodes=min_nodes, max_nodes=max_nodes, node_unit=o["node_unit"],
-            last_call_s=o["last_call"], join_timeout_s=o["join_timeout"],
-            heartbeat_interval_s=o["heartbeat_interval"], heartbeat_timeout_s=o["heartbeat_timeout"],
-            max_restarts=o["max_restarts"], **_rdzv_conf(o["rdzv_conf"]),
+            job_id=job_id,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            node_unit=o["node_unit"],
+            last_call_s=o["last_call"],
+            join_timeout_s=o["join_timeout"],
+            heartbeat_interval_s=o["heartbeat_interval"],
+            heartbeat_timeout_s=o["heartbeat_timeout"],
+            max_restarts=o["max_restarts"],
+            **_rdzv_conf(o["rdzv_conf"]),
         )
     except ms.SettingsError as exc:
         raise click.UsageError(str(exc)) from None
@@ -201,12 +336,19 @@ def _settings(o: dict) -> tuple[AgentSettings, str | None]:
     if not standalone and len(masters) == 1 and is_local_host(split_address(masters[0])[0]):
         embed = masters[0]
     settings = AgentSettings(
-        argv=argv, nproc=nproc, job=job, token=_token(o["token_file"], job_id, standalone),
-        node_id=o["node_id"] or f"{socket.gethostname()}-{os.getpid()}", masters=masters,
-        host_master_at=None, local_addr=host, role=o["role"],
+        argv=argv,
+        nproc=nproc,
+        job=job,
+        token=_token(o["token_file"], job_id, standalone),
+        node_id=o["node_id"] or f"{socket.gethostname()}-{os.getpid()}",
+        masters=masters,
+        host_master_at=None,
+        local_addr=host,
+        role=o["role"],
         log_dir=pathlib.Path(o["log_dir"]).resolve() if o["log_dir"] else None,
         ckpt_dir=pathlib.Path(o["ckpt_dir"]).resolve() if o["ckpt_dir"] else None,
-        stop_grace_s=o["stop_grace"], master_timeout_s=o["master_timeout"],
+        stop_grace_s=o["stop_grace"],
+        master_timeout_s=o["master_timeout"],
     )
     return settings, embed
 

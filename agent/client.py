@@ -64,7 +64,9 @@ def parse_addresses(text: str) -> list[str]:
 class MasterClient:
     """Typed calls of the master's ``/v1`` API."""
 
-    def __init__(self, addresses: list[str], job_id: str, token: str, *, request_timeout: float = 10.0) -> None:
+    def __init__(
+        self, addresses: list[str], job_id: str, token: str, *, request_timeout: float = 10.0
+    ) -> None:
         self.addresses = list(addresses)
         self.job_id = job_id
         self._headers = {"Authorization": f"Bearer {token}", JOB_HEADER: job_id}
@@ -85,8 +87,16 @@ class MasterClient:
             client.close()
             self._local.client = None
 
-    def _call(self, method: str, path: str, reply: type[M], *, body: BaseModel | None = None,
-              params: dict | None = None, wait: float = 0.0) -> M:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        reply: type[M],
+        *,
+        body: BaseModel | None = None,
+        params: dict | None = None,
+        wait: float = 0.0,
+    ) -> M:
         last: Exception | None = None
         count = len(self.addresses)
         for i in range(count):
@@ -94,7 +104,9 @@ class MasterClient:
             url = f"http://{self.addresses[index]}{API_PREFIX}{path}"
             try:
                 response = self._http().request(
-                    method, url, params=params,
+                    method,
+                    url,
+                    params=params,
                     content=body.model_dump_json() if body is not None else None,
                     headers={"Content-Type": "application/json"} if body is not None else None,
                     timeout=httpx.Timeout(self._timeout + wait, connect=min(self._timeout, 3.0)),

@@ -121,8 +121,9 @@ class ElasticAgent:
             self.generation += 1
             self.view = _NodeView()
             self._join()
-            threading.Thread(target=self._await_assignment, args=(self.generation, after),
-                             name="rendezvous", daemon=True).start()
+            threading.Thread(
+                target=self._await_assignment, args=(self.generation, after), name="rendezvous", daemon=True
+            ).start()
             event = self._next_event()
             if event.kind == "signal":
                 return self._shut_down(event.payload)
@@ -140,23 +141,36 @@ class ElasticAgent:
 
     def _join(self) -> None:
         store_port = free_port(self.host)
-        req = JoinRequest(node_id=self.settings.node_id, host=self.host, nproc=self.settings.nproc,
-                          store_port=store_port, min_nodes=self.settings.job.min_nodes,
-                          max_nodes=self.settings.job.max_nodes)
+        req = JoinRequest(
+            node_id=self.settings.node_id,
+            host=self.host,
+            nproc=self.settings.nproc,
+            store_port=store_port,
+            min_nodes=self.settings.job.min_nodes,
+            max_nodes=self.settings.job.max_nodes,
+        )
         self._call_master(lambda: self.client.join(req), "join")
 
     def _train(self, assignment: Assignment) -> int | None:
         """Run the workers of one round; return an exit code, or None to rejoin."""
         self.generation += 1
         generation = self.generation
-        log.info("round %d: node rank %d of %d, ranks %d-%d of world %d, restart %d/%d",
-                 assignment.round, assignment.node_rank, assignment.nnodes, assignment.rank_offset,
-                 assignment.rank_offset + self.settings.nproc - 1, assignment.world_size,
-                 assignment.restart_count, assignment.max_restarts)
-        self._start_workers(assignment)
+        log.info(
+            "round %d: node rank %d of %d, ranks %d-%d of world %d, restart %d/%d",
+            assignment.round,
+            assignment.node_rank,
+            assignment.nnodes,
+            assignment.rank_offset,
+            assignment.rank_offset + self.settings.nproc - 1,
+            assignment.world_size,
+            assignment.restart_count,
+            assignment.max_restarts,
+        )
+        self._start_workers(assignment, generation)
         self.view = _NodeView(state=NodeState.RUNNING, round=assignment.round, pids=list(self.group.pids))
-        threading.Thread(target=self._relay_exits, args=(generation,), name="exit-relay", daemon=True).start()
-        threading.Thread(target=self._watch, args=(generation, assignment.round), name="watch", daemon=True).start()
+        threading.Thread(
+            target=self._watch, args=(generation, assignment.round), name="watch", daemon=True
+        ).start()
         succeeded: set[int] = set()
         while True:
             event = self._next_event()
@@ -165,8 +179,10 @@ class ElasticAgent:
             if event.kind == "master_lost":
                 raise AgentError(event.payload)
             if event.kind == "node_unknown":
-                log.warning("the master no longer knows this node (was it restarted without a durable "
-                            "store?); stopping workers and rejoining")
+                log.warning(
+                    "the master no longer knows this node (was it restarted without a durable "
+                    "store?); stopping workers and rejoining"
+                )
                 self._stop_workers()
                 return None
             if event.kind == "exit":
@@ -187,8 +203,15 @@ class ElasticAgent:
 
     # -- outcomes ---------------------------------------------------------------------------------
     def _report_failure(self, round_number: int, info: FailureInfo) -> int | None:
-        failure = WorkerFailure(rank=info.global_rank, local_rank=info.local_rank, exit_code=info.exit_code,
-                                signal=info.signal, message=info.message[-8000:])
+        # The group's generic fallback ("killed by SIGKILL") only repeats the signal; keep real messages.
+        generic = info.message.startswith(("killed by ", "exited with code "))
+        failure = WorkerFailure(
+            rank=info.global_rank,
+            local_rank=info.local_rank,
+            exit_code=info.exit_code,
+            signal=info.signal,
+            message="" if generic else info.message[-8000:],
+        )
         how = f"signal {info.signal}" if info.signal else f"exit code {info.exit_code}"
         log.warning("rank %d (local rank %d) failed with %s", info.global_rank, info.local_rank, how)
         self.view = _NodeView(state=NodeState.FAILED, round=round_number, failure=failure)
@@ -206,8 +229,9 @@ class ElasticAgent:
             return self._finish(reply.outcome or Outcome(succeeded=True, exit_code=0))
         # This agent hosts the master for other nodes: keep serving until the whole job is over.
         while True:
-            reply = self._call_master(lambda: self.client.watch(self.settings.node_id, round_number, LONG_POLL_S),
-                                      "watch")
+            reply = self._call_master(
+                lambda: self.client.watch(self.settings.node_id, round_number, LONG_POLL_S), "watch"
+            )
             if reply.command is Command.STOP:
                 return self._finish(reply.outcome or Outcome(succeeded=True, exit_code=0))
 
@@ -231,15 +255,24 @@ class ElasticAgent:
         return 128 + signum
 
     # -- workers ----------------------------------------------------------------------------------
-    def _start_workers(self, assignment: Assignment) -> None:
+    def _start_workers(self, assignment: Assignment, generation: int) -> None:
         s = self.settings
         extra = {"ELASTIC_NODE_ID": s.node_id}
         if s.ckpt_dir is not None:
             extra["ELASTIC_CKPT_DIR"] = str(s.ckpt_dir)
         envs = worker_envs(os.environ, assignment, s.nproc, run_id=s.job.job_id, role=s.role, extra=extra)
         ranks = [assignment.rank_offset + i for i in range(s.nproc)]
-        self.group.start(WorkerSpec(argv=list(s.argv), envs=envs, global_ranks=ranks, log_dir=s.log_dir,
-                                    attempt=f"round{assignment.round}", cwd=s.cwd))
+        self.group.start(
+            WorkerSpec(
+                argv=list(s.argv),
+                envs=envs,
+                global_ranks=ranks,
+                log_dir=s.log_dir,
+                attempt=f"round{assignment.round}",
+                cwd=s.cwd,
+            ),
+            on_exit=lambda exit_: self.events.put(_Event("exit", generation, exit_)),
+        )
 
     def _stop_workers(self) -> None:
         self.generation += 1  # exits caused by the stop are not failures
@@ -297,19 +330,16 @@ class ElasticAgent:
                 self.events.put(_Event("command", generation, reply))
                 return
 
-    def _relay_exits(self, generation: int) -> None:
-        remaining = self.settings.nproc
-        while remaining and generation == self.generation:
-            exit_ = self.group.wait_exit(0.5)
-            if exit_ is not None:
-                remaining -= 1
-                self.events.put(_Event("exit", generation, exit_))
-
     def _heartbeat_request(self) -> HeartbeatRequest:
         view = self.view
         workers = [WorkerProgress(local_rank=i, pid=pid) for i, pid in enumerate(view.pids)]
-        return HeartbeatRequest(node_id=self.settings.node_id, round=view.round, state=view.state,
-                                workers=workers, failure=view.failure)
+        return HeartbeatRequest(
+            node_id=self.settings.node_id,
+            round=view.round,
+            state=view.state,
+            workers=workers,
+            failure=view.failure,
+        )
 
     def _heartbeat_loop(self) -> None:
         while not self._closing.wait(self.heartbeat_interval):
@@ -335,9 +365,14 @@ class ElasticAgent:
         silent = time.monotonic() - self._last_contact
         if silent < self.settings.master_timeout_s:
             return False
-        self.events.put(_Event("master_lost", generation,
-                               f"no job master answered for {silent:.0f}s (--master-timeout "
-                               f"{self.settings.master_timeout_s:g}s) at {', '.join(self.client.addresses)}"))
+        self.events.put(
+            _Event(
+                "master_lost",
+                generation,
+                f"no job master answered for {silent:.0f}s (--master-timeout "
+                f"{self.settings.master_timeout_s:g}s) at {', '.join(self.client.addresses)}",
+            )
+        )
         return True
 
     def _call_master(self, call, what: str):
@@ -349,8 +384,10 @@ class ElasticAgent:
                 self._contact()
                 return reply
             except MasterRejectedError as exc:
-                raise AgentError(f"master rejected the {what}: {exc.message}",
-                                 EXIT_CONFIG if exc.status in (401, 409, 422) else EXIT_FAILED) from None
+                raise AgentError(
+                    f"master rejected the {what}: {exc.message}",
+                    EXIT_CONFIG if exc.status in (401, 409, 422) else EXIT_FAILED,
+                ) from None
             except MasterUnreachableError as exc:
                 if time.monotonic() - self._last_contact > self.settings.master_timeout_s:
                     raise AgentError(str(exc)) from None

@@ -66,10 +66,14 @@ class WorkerProgress(_Model):
 
 class JoinRequest(_Model):
     node_id: str = Field(pattern=_ID_PATTERN)
-    host: str = Field(min_length=1, max_length=255, description="Address that other nodes reach this node on.")
+    host: str = Field(
+        min_length=1, max_length=255, description="Address that other nodes reach this node on."
+    )
     nproc: int = Field(ge=1, le=4096, description="Number of workers this node runs.")
     store_port: int = Field(ge=1, le=65535, description="Free port for the workers' store if rank 0.")
-    min_nodes: int = Field(ge=1, description="The agent's view of the job size, checked against the master's.")
+    min_nodes: int = Field(
+        ge=1, description="The agent's view of the job size, checked against the master's."
+    )
     max_nodes: int = Field(ge=1)
 
 

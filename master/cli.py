@@ -31,24 +31,67 @@ def _resolve_token(token_file: str | None) -> str:
 
 @click.group(context_settings=CONTEXT, invoke_without_command=True)
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
-@click.option("--port", type=click.IntRange(0, 65535), default=29400, show_default=True, help="Port to listen on.")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=29400, show_default=True, help="Port to listen on."
+)
 @click.option("--job-id", default=None, help="Id of the job this master serves (required to serve).")
 @click.option("--nnodes", default="1:1", show_default=True, help="Number of nodes, N or MIN:MAX.")
-@click.option("--node-unit", type=click.IntRange(min=1), default=1, show_default=True,
-              help="The node count of a round is a multiple of this.")
-@click.option("--last-call", type=click.FloatRange(min=0), default=ms.DEFAULT_LAST_CALL_S, show_default=True,
-              help="Seconds to wait for more nodes once MIN joined, and before admitting new nodes.")
-@click.option("--join-timeout", type=click.FloatRange(min=0, min_open=True), default=ms.DEFAULT_JOIN_TIMEOUT_S,
-              show_default=True, help="Fail the job when a round cannot form within this many seconds.")
-@click.option("--heartbeat-interval", type=click.FloatRange(min=0, min_open=True),
-              default=ms.DEFAULT_HEARTBEAT_INTERVAL_S, show_default=True, help="Seconds between agent heartbeats.")
-@click.option("--heartbeat-timeout", type=click.FloatRange(min=0, min_open=True),
-              default=ms.DEFAULT_HEARTBEAT_TIMEOUT_S, show_default=True,
-              help="A node is declared dead after this many seconds without a heartbeat.")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=ms.DEFAULT_MAX_RESTARTS, show_default=True,
-              help="Job-wide restarts after worker failures (membership changes are free).")
-@click.option("--token-file", type=click.Path(dir_okay=False), default=None,
-              help="Bearer token file; created with a random token if missing.")
+@click.option(
+    "--node-unit",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="The node count of a round is a multiple of this.",
+)
+@click.option(
+    "--last-call",
+    type=click.FloatRange(min=0),
+    default=ms.DEFAULT_LAST_CALL_S,
+    show_default=True,
+    help="Seconds to wait for more nodes once MIN joined, and before admitting new nodes.",
+)
+@click.option(
+    "--join-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=ms.DEFAULT_JOIN_TIMEOUT_S,
+    show_default=True,
+    help="Fail the job when a round cannot form within this many seconds.",
+)
+@click.option(
+    "--heartbeat-interval",
+    type=click.FloatRange(min=0, min_open=True),
+    default=ms.DEFAULT_HEARTBEAT_INTERVAL_S,
+    show_default=True,
+    help="Seconds between agent heartbeats.",
+)
+@click.option(
+    "--heartbeat-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=ms.DEFAULT_HEARTBEAT_TIMEOUT_S,
+    show_default=True,
+    help="A node is declared dead after this many seconds without a heartbeat.",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=ms.DEFAULT_MAX_RESTARTS,
+    show_default=True,
+    help="Job-wide restarts after worker failures (membership changes are free).",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Bearer token file; created with a random token if missing.",
+)
+@click.option(
+    "--store",
+    "store_url",
+    default="memory://",
+    show_default=True,
+    help="Where job state lives: memory:// or etcd://HOST:PORT[,HOST:PORT] (durable; enables standby "
+    "masters and restarts without stopping training).",
+)
 @click.pass_context
 def cli(ctx: click.Context, **opts) -> None:
     """Serve one elastic job: rendezvous rounds, heartbeats, failure verdicts.
@@ -64,9 +107,14 @@ def cli(ctx: click.Context, **opts) -> None:
     try:
         low, high = ms.parse_nnodes(opts["nnodes"])
         job = ms.JobSettings(
-            job_id=opts["job_id"], min_nodes=low, max_nodes=high, node_unit=opts["node_unit"],
-            last_call_s=opts["last_call"], join_timeout_s=opts["join_timeout"],
-            heartbeat_interval_s=opts["heartbeat_interval"], heartbeat_timeout_s=opts["heartbeat_timeout"],
+            job_id=opts["job_id"],
+            min_nodes=low,
+            max_nodes=high,
+            node_unit=opts["node_unit"],
+            last_call_s=opts["last_call"],
+            join_timeout_s=opts["join_timeout"],
+            heartbeat_interval_s=opts["heartbeat_interval"],
+            heartbeat_timeout_s=opts["heartbeat_timeout"],
             max_restarts=opts["max_restarts"],
         )
     except ms.SettingsError as exc:
@@ -76,15 +124,24 @@ def cli(ctx: click.Context, **opts) -> None:
     except (TokenError, OSError) as exc:
         raise click.UsageError(str(exc)) from None
     from master.server import bind_socket, serve_forever  # web stack only when serving
+    from master.store import StoreError, check_store, open_store
 
-    settings = ms.ServerSettings(job=job, token=token, host=opts["host"], port=opts["port"])
+    settings = ms.ServerSettings(
+        job=job, token=token, host=opts["host"], port=opts["port"], store_url=opts["store_url"]
+    )
+    try:
+        check_store(settings.store_url, job.job_id)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
-        raise click.ClickException(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}") from None
+        raise click.ClickException(
+            f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}"
+        ) from None
     host, port = sock.getsockname()[:2]
     log.info("listening on %s:%d", host, port)
-    serve_forever(settings, sock)
+    serve_forever(settings, sock, open_store(settings.store_url, job.job_id))
 
 
 @cli.command()
@@ -100,7 +157,11 @@ def status(master: str, job_id: str, token_file: str | None, as_json: bool) -> N
 
     try:
         addresses = parse_addresses(master)
-        token = read_token_file(token_file) if token_file else os.environ.get("ELASTIC_TOKEN") or derived_token(job_id)
+        token = (
+            read_token_file(token_file)
+            if token_file
+            else os.environ.get("ELASTIC_TOKEN") or derived_token(job_id)
+        )
     except (ValueError, TokenError) as exc:
         raise click.UsageError(str(exc)) from None
     client = MasterClient(addresses, job_id, token)

@@ -156,7 +156,9 @@ class Job:
         if node is None:
             if self.outcome is not None:
                 return self._reply(Command.STOP)
-            raise UnknownNodeError(f"node {req.node_id} is not part of job {self.settings.job_id}; join first")
+            raise UnknownNodeError(
+                f"node {req.node_id} is not part of job {self.settings.job_id}; join first"
+            )
         self.liveness.beat(req.node_id, now)
         node.workers = list(req.workers)
         current_round = req.round == self.rdzv.round and self.rdzv.is_member(req.node_id)
@@ -192,7 +194,9 @@ class Job:
             return
         for node_id in self.liveness.dead(now):
             age = self.liveness.age(node_id, now)
-            self._remove(node_id, f"node {node_id} declared dead (no heartbeat for {age:.1f}s)", "node_dead", now)
+            self._remove(
+                node_id, f"node {node_id} declared dead (no heartbeat for {age:.1f}s)", "node_dead", now
+            )
             if self.outcome is not None:
                 return
         self._advance(now)
@@ -233,9 +237,68 @@ class Job:
             nodes=rows,
         )
 
+    # -- persistence ------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """Everything a master taking over needs; plain JSON-able data."""
+        return {
+            "job_id": self.settings.job_id,
+            "master_id": self.master_id,
+            "rendezvous": self.rdzv.snapshot(),
+            "nodes": [
+                {
+                    "node_id": n.node_id,
+                    "host": n.host,
+                    "nproc": n.nproc,
+                    "state": n.state.value,
+                    "round": n.round,
+                    "failures": n.failures,
+                }
+                for n in self.nodes.values()
+            ],
+            "restart_count": self.restart_count,
+            "outcome": None if self.outcome is None else self.outcome.model_dump(),
+            "round_failed": sorted(self._round_failed),
+            "succeeded": sorted(self._succeeded),
+            "event_count": self.event_count,
+            "events": [{"kind": e.kind, "message": e.message} for e in list(self.events)[-100:]],
+        }
+
+    @classmethod
+    def restore(cls, settings: JobSettings, data: dict, now: float, master_id: str | None = None) -> Job:
+        """A job continued from :meth:`snapshot` by a (new) master. Every known node gets a full
+        heartbeat timeout of grace, so that the handover itself never causes a dead-node verdict."""
+        if data.get("job_id") != settings.job_id:
+            raise ValueError(f"stored state belongs to job {data.get('job_id')!r}, not {settings.job_id!r}")
+        job = cls(settings, now, master_id)
+        job.rdzv.restore(data["rendezvous"], now)
+        for n in data.get("nodes", []):
+            job.nodes[n["node_id"]] = NodeInfo(
+                n["node_id"], n["host"], n["nproc"], NodeState(n["state"]), n["round"], n["failures"]
+            )
+        job.restart_count = int(data.get("restart_count", 0))
+        job.outcome = Outcome(**data["outcome"]) if data.get("outcome") else None
+        job._round_failed = set(data.get("round_failed", []))
+        job._succeeded = set(data.get("succeeded", []))
+        for e in data.get("events", []):
+            job.events.append(Event(now, e["kind"], e["message"]))
+        job.event_count = int(data.get("event_count", len(job.events)))
+        for node_id in job.nodes:
+            if node_id not in job._succeeded:
+                job.liveness.beat(node_id, now)
+        job.liveness.grant_grace(now)
+        job._event(
+            now,
+            "master_takeover",
+            f"master {job.master_id} took over job {settings.job_id} in round "
+            f"{job.rdzv.round} (restarts {job.restart_count})",
+        )
+        return job
+
     # -- internals --------------------------------------------------------------------------------
     def _reply(self, command: Command) -> CommandReply:
-        return CommandReply(command=command, round=self.rdzv.round, outcome=self.outcome, master_id=self.master_id)
+        return CommandReply(
+            command=command, round=self.rdzv.round, outcome=self.outcome, master_id=self.master_id
+        )
 
     def _assignment(self, slot) -> Assignment:
         current = self.rdzv.current
@@ -267,8 +330,12 @@ class Job:
         self._succeeded.clear()
         number = self.rdzv.open_round(now, expected)
         kind = "restart" if counted else "membership change"
-        self._event(now, "round_opened", f"round {number} opened ({kind}: {why}); restarts {self.restart_count}"
-                    f"/{self.settings.max_restarts}")
+        self._event(
+            now,
+            "round_opened",
+            f"round {number} opened ({kind}: {why}); restarts {self.restart_count}"
+            f"/{self.settings.max_restarts}",
+        )
 
     def _on_failure(self, node: NodeInfo, failure: WorkerFailure | None, now: float) -> None:
         round_number = self.rdzv.round
@@ -276,16 +343,30 @@ class Job:
             return  # already counted: one failure costs one restart of the world
         self._round_failed.add(round_number)
         node.failures += 1
-        cause = _describe_failure(node.node_id, failure) if failure else f"node {node.node_id} reported a failure"
+        cause = (
+            _describe_failure(node.node_id, failure) if failure else f"node {node.node_id} reported a failure"
+        )
         self._event(now, "worker_failed", f"round {round_number}: {cause}")
         if self._succeeded:
-            self._finish(Outcome(succeeded=False, exit_code=EXIT_FAILED,
-                                 summary=f"{cause} after other nodes had finished; cannot restart"), now)
+            self._finish(
+                Outcome(
+                    succeeded=False,
+                    exit_code=EXIT_FAILED,
+                    summary=f"{cause} after other nodes had finished; cannot restart",
+                ),
+                now,
+            )
         elif self.restart_count >= self.settings.max_restarts:
             attempts = self.restart_count + 1
-            self._finish(Outcome(succeeded=False, exit_code=EXIT_FAILED,
-                                 summary=f"job failed after {attempts} attempt(s) "
-                                         f"(max restarts {self.settings.max_restarts}); root cause: {cause}"), now)
+            self._finish(
+                Outcome(
+                    succeeded=False,
+                    exit_code=EXIT_FAILED,
+                    summary=f"job failed after {attempts} attempt(s) "
+                    f"(max restarts {self.settings.max_restarts}); root cause: {cause}",
+                ),
+                now,
+            )
         else:
             self.restart_count += 1
             self._open_round(now, cause, counted=True)
@@ -310,8 +391,14 @@ class Job:
         if not was_member or self.outcome is not None:
             return
         if self._succeeded:
-            self._finish(Outcome(succeeded=False, exit_code=EXIT_FAILED,
-                                 summary=f"{why} after other nodes had finished; cannot restart"), now)
+            self._finish(
+                Outcome(
+                    succeeded=False,
+                    exit_code=EXIT_FAILED,
+                    summary=f"{why} after other nodes had finished; cannot restart",
+                ),
+                now,
+            )
             return
         self._open_round(now, why, counted=False)
         self._advance(now)
@@ -328,14 +415,23 @@ class Job:
                     self.nodes[slot.node_id].state = NodeState.STARTING
                     self.nodes[slot.node_id].round = closed.number
                 waiting = f"; waiting: {', '.join(rdzv.waiting)}" if rdzv.waiting else ""
-                self._event(now, "round_closed",
-                            f"round {closed.number} closed: {len(closed.slots)} nodes, world size "
-                            f"{closed.world_size}, members {', '.join(closed.members)}{waiting}")
+                self._event(
+                    now,
+                    "round_closed",
+                    f"round {closed.number} closed: {len(closed.slots)} nodes, world size "
+                    f"{closed.world_size}, members {', '.join(closed.members)}{waiting}",
+                )
                 return
             deadline = rdzv.join_deadline()
             if deadline is not None and now >= deadline:
                 have = len(rdzv.waiting)
-                self._finish(Outcome(succeeded=False, exit_code=EXIT_FAILED,
-                                     summary=f"rendezvous timed out after {self.settings.join_timeout_s:g}s: "
-                                             f"{have} node(s) joined, at least {self.settings.min_nodes} needed "
-                                             f"(node unit {self.settings.node_unit})"), now)
+                self._finish(
+                    Outcome(
+                        succeeded=False,
+                        exit_code=EXIT_FAILED,
+                        summary=f"rendezvous timed out after {self.settings.join_timeout_s:g}s: "
+                        f"{have} node(s) joined, at least {self.settings.min_nodes} needed "
+                        f"(node unit {self.settings.node_unit})",
+                    ),
+                    now,
+                )

@@ -151,6 +151,51 @@ class Rendezvous:
             return None
         return self.opened_at + self.settings.join_timeout_s
 
+    # -- persistence ------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """Plain-data state, for the durable store."""
+        current = self.current
+        return {
+            "phase": self.phase.value,
+            "round": self.round,
+            "current": None
+            if current is None
+            else {
+                "number": current.number,
+                "world_size": current.world_size,
+                "master_addr": current.master_addr,
+                "master_port": current.master_port,
+                "slots": [vars(s) for s in current.slots],
+            },
+            "joined": [vars(c) for c in self._joined.values()],
+            "expected": sorted(self._expected),
+        }
+
+    def restore(self, data: dict, now: float) -> None:
+        """Load :meth:`snapshot` output; every deadline restarts from ``now`` (clocks differ per host)."""
+        self.phase = Phase(data["phase"])
+        self.round = int(data["round"])
+        cur = data.get("current")
+        self.current = (
+            None
+            if cur is None
+            else ClosedRound(
+                cur["number"],
+                tuple(Slot(**s) for s in cur["slots"]),
+                cur["world_size"],
+                cur["master_addr"],
+                cur["master_port"],
+                now,
+            )
+        )
+        self._joined = {c["node_id"]: Candidate(**{**c, "joined_at": now}) for c in data.get("joined", [])}
+        self._expected = set(data.get("expected", []))
+        self.opened_at = now if self.phase is Phase.OPEN else None
+        self._min_reached_at = None
+        self._growth_since = None
+        self._track_min(now)
+        self._track_growth(now)
+
     # -- internals --------------------------------------------------------------------------------
     def _admissible(self, count: int) -> int:
         unit = self.settings.node_unit

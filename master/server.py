@@ -7,11 +7,13 @@ All job state is touched only from the event loop thread, so no lock is needed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Annotated, TypeVar
 
@@ -37,6 +39,7 @@ from elastic.protocol import (
 )
 from master.job import Job, JobError
 from master.settings import ServerSettings
+from master.store import MemoryStore, StateStore, StoreError
 
 log = logging.getLogger("elastic.master")
 T = TypeVar("T")
@@ -59,23 +62,29 @@ class Notifier:
         self._event = asyncio.Event()
 
     async def wait(self, timeout: float) -> None:
-        event = self._event
-        try:
-            await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout)
 
 
 class MasterService:
-    """Owns the job, the clock, the tick loop and the wake-ups of long-polls."""
+    """Owns the job (while this master leads), the clock, the tick loop, persistence and wake-ups."""
 
-    def __init__(self, settings: ServerSettings, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        clock: Callable[[], float] = time.monotonic,
+        store: StateStore | None = None,
+    ) -> None:
         self.settings = settings
         self.clock = clock
-        self.job = Job(settings.job, clock())
+        self.store = store or MemoryStore()
+        self.master_id = uuid.uuid4().hex[:12]
+        self.job: Job | None = None  # None while standing by
         self._notifier: Notifier | None = None
         self._logged_events = 0
-        self._seen_version = self.job.version
+        self._seen_version = -1
+        self._dirty: asyncio.Event | None = None
+        self._lost: asyncio.Event | None = None
 
     @property
     def notifier(self) -> Notifier:
@@ -83,26 +92,84 @@ class MasterService:
             self._notifier = Notifier()
         return self._notifier
 
+    def leading_job(self) -> Job:
+        """The job, or a 503 that sends the client to another master."""
+        if self.job is None:
+            raise ApiError(503, "not_leader", f"master {self.master_id} is a standby; ask another master")
+        return self.job
+
     def changed(self) -> None:
-        """Call after every mutation: logs new events and wakes waiters if anything changed."""
+        """Call after every mutation: logs new events, persists, and wakes waiters if anything changed."""
         job = self.job
+        if job is None:
+            return
         fresh = min(job.event_count - self._logged_events, len(job.events))
-        for event in list(job.events)[len(job.events) - fresh:]:
+        for event in list(job.events)[len(job.events) - fresh :]:
             log.info("%s: %s", event.kind, event.message)
         self._logged_events = job.event_count
         if job.version != self._seen_version:
             self._seen_version = job.version
+            if self._dirty is not None:
+                self._dirty.set()
             self.notifier.notify()
 
     def tick(self) -> None:
-        self.job.tick(self.clock())
-        self.changed()
+        if self.job is not None:
+            self.job.tick(self.clock())
+            self.changed()
 
-    async def tick_forever(self) -> None:
+    async def run(self) -> None:
+        """Lead the job whenever elected; tick and persist while leading; stand by otherwise."""
+        self._dirty = asyncio.Event()
+        while True:
+            self._lost = asyncio.Event()
+            await self.store.campaign(self.master_id, self._lost.set)
+            snapshot = await self.store.load()
+            now = self.clock()
+            job_settings = self.settings.job
+            self.job = (
+                Job.restore(job_settings, snapshot, now, self.master_id)
+                if snapshot
+                else Job(job_settings, now, self.master_id)
+            )
+            self._logged_events = self.job.event_count - 1 if snapshot else 0
+            log.info(
+                "master %s leads job %s (store %s)",
+                self.master_id,
+                job_settings.job_id,
+                self.settings.store_url,
+            )
+            self.changed()
+            tasks = [asyncio.create_task(self._tick_forever()), asyncio.create_task(self._persist_forever())]
+            await self._lost.wait()
+            for task in tasks:
+                task.cancel()
+            log.warning(
+                "master %s lost the leadership of job %s; standing by", self.master_id, job_settings.job_id
+            )
+            self.job = None
+            self.notifier.notify()
+
+    async def _tick_forever(self) -> None:
         period = min(0.1, self.settings.job.heartbeat_interval_s / 4)
         while True:
             self.tick()
             await asyncio.sleep(period)
+
+    async def _persist_forever(self) -> None:
+        """Write the newest snapshot after changes (coalesced: bursts cost one write)."""
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            if self.job is None:
+                continue
+            try:
+                await self.store.save(self.job.snapshot())
+            except StoreError as exc:
+                log.error(
+                    "cannot persist job state (%s); stepping down so that no master serves stale state", exc
+                )
+                self._lost.set()
 
     async def long_poll(self, probe: Callable[[], T | None], timeout: float) -> T | None:
         """Return ``probe()`` as soon as it is not None, or None after ``timeout`` (capped)."""
@@ -144,8 +211,13 @@ class BodySizeLimit:
 
 async def _too_large(send, limit: int) -> None:
     body = ErrorBody(error="body_too_large", message=f"request body exceeds {limit} bytes").model_dump_json()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body.encode()})
 
 
@@ -176,18 +248,36 @@ def create_app(service: MasterService) -> FastAPI:
             raise ApiError(409, "wrong_job", f"this master serves job {job_id!r}, not {x_elastic_job!r}")
 
     async def lifespan(app: FastAPI):
-        task = asyncio.create_task(service.tick_forever())
         s = service.settings.job
-        log.info("master %s serving job %s: nnodes %d:%d, node unit %d, last call %gs, heartbeat %gs/%gs, "
-                 "max restarts %d", service.job.master_id, job_id, s.min_nodes, s.max_nodes, s.node_unit,
-                 s.last_call_s, s.heartbeat_interval_s, s.heartbeat_timeout_s, s.max_restarts)
+        log.info(
+            "master %s for job %s: nnodes %d:%d, node unit %d, last call %gs, heartbeat %gs/%gs, "
+            "max restarts %d",
+            service.master_id,
+            job_id,
+            s.min_nodes,
+            s.max_nodes,
+            s.node_unit,
+            s.last_call_s,
+            s.heartbeat_interval_s,
+            s.heartbeat_timeout_s,
+            s.max_restarts,
+        )
+        await service.store.start()
+        task = asyncio.create_task(service.run())
         try:
             yield
         finally:
             task.cancel()
+            await service.store.close()
 
-    app = FastAPI(title="elastic-run job master", version="1", lifespan=lifespan,
-                  dependencies=[Depends(authorize)], docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="elastic-run job master",
+        version="1",
+        lifespan=lifespan,
+        dependencies=[Depends(authorize)],
+        docs_url=None,
+        redoc_url=None,
+    )
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -201,6 +291,8 @@ def create_app(service: MasterService) -> FastAPI:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(422, "invalid_request", _describe_validation(exc))
 
+    job = service.leading_job
+
     def mutate(action: Callable[[], T]) -> T:
         try:
             return action()
@@ -209,11 +301,11 @@ def create_app(service: MasterService) -> FastAPI:
 
     @app.get(f"{API_PREFIX}/info")
     async def info() -> JobInfo:
-        return service.job.info()
+        return job().info()
 
     @app.post(f"{API_PREFIX}/join")
     async def join(req: JoinRequest) -> JoinReply:
-        return mutate(lambda: service.job.join(req, service.clock()))
+        return mutate(lambda: job().join(req, service.clock()))
 
     @app.get(f"{API_PREFIX}/round")
     async def next_round(
@@ -221,12 +313,12 @@ def create_app(service: MasterService) -> FastAPI:
         after: Annotated[int, Query(ge=0)] = 0,
         timeout: Annotated[float, Query(ge=0, le=LONG_POLL_CAP_S)] = 10.0,
     ) -> RoundReply:
-        reply = await service.long_poll(lambda: service.job.next_round(node_id, after), timeout)
-        return reply or RoundReply(status="waiting", round=service.job.rdzv.round)
+        reply = await service.long_poll(lambda: job().next_round(node_id, after), timeout)
+        return reply or RoundReply(status="waiting", round=job().rdzv.round)
 
     @app.post(f"{API_PREFIX}/heartbeat")
     async def heartbeat(req: HeartbeatRequest) -> CommandReply:
-        return mutate(lambda: service.job.heartbeat(req, service.clock()))
+        return mutate(lambda: job().heartbeat(req, service.clock()))
 
     @app.get(f"{API_PREFIX}/watch")
     async def watch(
@@ -237,19 +329,19 @@ def create_app(service: MasterService) -> FastAPI:
         """Long-poll: returns as soon as the node must do something other than continue."""
 
         def probe() -> CommandReply | None:
-            reply = service.job.command_for(node_id, round)
+            reply = job().command_for(node_id, round)
             return None if reply.command.value == "continue" else reply
 
-        return await service.long_poll(probe, timeout) or service.job.command_for(node_id, round)
+        return await service.long_poll(probe, timeout) or job().command_for(node_id, round)
 
     @app.post(f"{API_PREFIX}/leave")
     async def leave(req: LeaveRequest) -> CommandReply:
-        mutate(lambda: service.job.leave(req.node_id, req.reason, service.clock()))
-        return service.job.command_for(req.node_id, 0)
+        mutate(lambda: job().leave(req.node_id, req.reason, service.clock()))
+        return job().command_for(req.node_id, 0)
 
     @app.get(f"{API_PREFIX}/status")
     async def status() -> JobStatus:
-        return service.job.status(service.clock())
+        return job().status(service.clock())
 
     app.add_middleware(BodySizeLimit)
     return app
@@ -271,28 +363,37 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _uvicorn_server(app: FastAPI) -> uvicorn.Server:
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                            timeout_keep_alive=int(LONG_POLL_CAP_S) + 5, ws="none")
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=int(LONG_POLL_CAP_S) + 5,
+        ws="none",
+    )
     return uvicorn.Server(config)
 
 
-def serve_forever(settings: ServerSettings, sock: socket.socket) -> None:
+def serve_forever(settings: ServerSettings, sock: socket.socket, store: StateStore | None = None) -> None:
     """Run the master in this (main) thread until SIGINT/SIGTERM."""
-    server = _uvicorn_server(create_app(MasterService(settings)))
+    server = _uvicorn_server(create_app(MasterService(settings, store=store)))
     server.run(sockets=[sock])
 
 
 class EmbeddedMaster:
     """A master running in a background thread of another process (``elastic-run --standalone``)."""
 
-    def __init__(self, settings: ServerSettings, sock: socket.socket | None = None) -> None:
+    def __init__(
+        self, settings: ServerSettings, sock: socket.socket | None = None, store: StateStore | None = None
+    ) -> None:
         self.settings = settings
         self._sock = sock or bind_socket(settings.host, settings.port)
         self.host, self.port = self._sock.getsockname()[:2]
-        self.service = MasterService(settings)
+        self.service = MasterService(settings, store=store)
         self._server = _uvicorn_server(create_app(self.service))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="elastic-master", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="elastic-master", daemon=True
+        )
 
     @property
     def address(self) -> str:
@@ -301,7 +402,8 @@ class EmbeddedMaster:
     def start(self, timeout: float = 10.0) -> EmbeddedMaster:
         self._thread.start()
         deadline = time.monotonic() + timeout
-        while not self._server.started:
+        # A non-durable store elects at once: wait for the job too, so the first request is served.
+        while not self._server.started or (self.service.job is None and not self.service.store.durable):
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"embedded master failed to start on {self.address}")
             time.sleep(0.005)  # start-up handshake only; uvicorn exposes no event for it

@@ -1,0 +1,122 @@
+"""Forwarding of worker output: one reader thread per pipe prefixes each line with the worker's rank.
+
+Lines go to the agent's own stdout/stderr as ``[rank<global rank>]:<line>`` (torchrun's tee prefix), one
+whole line per write and flushed, so ranks interleave by line, never mid-line. The raw bytes are also teed
+to a log file when one is given, and the last lines of stderr are kept in memory for failure summaries.
+"""
+
+import contextlib
+import logging
+import sys
+import threading
+from collections import deque
+from typing import BinaryIO, Literal
+
+logger = logging.getLogger(__name__)
+
+# A worker that prints without newlines (progress bars) must not grow a line without bound.
+MAX_LINE_BYTES = 64 * 1024
+STDERR_TAIL_LINES = 50
+
+StreamName = Literal["stdout", "stderr"]
+
+
+def rank_prefix(global_rank: int) -> str:
+    """The prefix put before every forwarded line of the worker with ``global_rank``."""
+    return f"[rank{global_rank}]:"
+
+
+class _AgentStream:
+    """The agent's ``sys.stdout`` or ``sys.stderr``, looked up at each write.
+
+    Looked up late because the stream object can be replaced after start (test capture, log redirection).
+    """
+
+    def __init__(self, name: StreamName) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+
+    def write_line(self, text: str) -> None:
+        with self._lock:
+            stream = getattr(sys, self._name)
+            if stream is None:
+                return
+            try:
+                try:
+                    stream.write(text)
+                except UnicodeEncodeError:
+                    # The agent's stream cannot encode the replacement character (e.g. an ASCII locale).
+                    encoding = stream.encoding or "ascii"
+                    stream.write(text.encode(encoding, errors="backslashreplace").decode(encoding))
+                stream.flush()
+            except (OSError, ValueError):
+                # The agent's stream is closed or broken (EPIPE). Drop the line, but keep draining the
+                # worker's pipe: a full pipe would block the worker.
+                return
+
+
+_AGENT_STREAMS: dict[StreamName, _AgentStream] = {
+    "stdout": _AgentStream("stdout"),
+    "stderr": _AgentStream("stderr"),
+}
+
+
+def start_forwarder(
+    pipe: BinaryIO,
+    *,
+    global_rank: int,
+    stream: StreamName,
+    log_file: BinaryIO | None = None,
+    tail: "deque[str] | None" = None,
+) -> threading.Thread:
+    """Start a daemon thread that forwards ``pipe`` line by line until EOF.
+
+    The thread owns ``pipe`` and ``log_file`` and closes both at EOF. Decoding is UTF-8 with replacement
+    characters, so binary output cannot break forwarding; the log file receives the raw bytes. Non-empty
+    lines are appended to ``tail`` (a bounded deque) when given.
+    """
+    thread = threading.Thread(
+        target=_forward,
+        args=(pipe, rank_prefix(global_rank), _AGENT_STREAMS[stream], log_file, tail),
+        name=f"worker-rank{global_rank}-{stream}",
+        daemon=True,
+    )
+    thread.start()
+    return thread
+
+
+def _forward(
+    pipe: BinaryIO,
+    prefix: str,
+    sink: _AgentStream,
+    log_file: BinaryIO | None,
+    tail: "deque[str] | None",
+) -> None:
+    try:
+        while True:
+            raw = pipe.readline(MAX_LINE_BYTES)
+            if not raw:
+                return
+            if log_file is not None:
+                log_file = _write_log(log_file, raw)
+            line = raw.decode("utf-8", errors="replace").removesuffix("\n").removesuffix("\r")
+            if tail is not None and line.strip():
+                tail.append(line)
+            sink.write_line(f"{prefix}{line}\n")
+    finally:
+        pipe.close()
+        if log_file is not None:
+            log_file.close()
+
+
+def _write_log(log_file: BinaryIO, raw: bytes) -> BinaryIO | None:
+    """Append ``raw`` to the log; on a write error (disk full) warn once and stop logging this stream."""
+    try:
+        log_file.write(raw)
+        log_file.flush()
+    except OSError as e:
+        logger.warning("cannot write worker log %s (%s); logging to it stops", log_file.name, e)
+        with contextlib.suppress(OSError):  # closing flushes again, which fails for the same reason
+            log_file.close()
+        return None
+    return log_file

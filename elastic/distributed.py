@@ -1,0 +1,93 @@
+"""Process-group setup for a worker started by elastic-run (or torchrun).
+
+The launcher hands each worker its place in the world through torchrun's environment contract
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); :func:`init_process_group` reads it, picks
+the backend for the device (nccl on GPUs, gloo on CPU) and joins the group through ``env://``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+#: Variables the launcher must set; without them the script was not started by elastic-run/torchrun.
+REQUIRED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+PG_TIMEOUT_ENV = "ELASTIC_PG_TIMEOUT_S"
+# torch waits 30 minutes by default before a stuck collective fails. The agent detects dead workers and
+# nodes itself and restarts the whole world, so a survivor blocked on a dead peer only needs to give up
+# eventually; 5 minutes keeps a wedged worker from holding its GPU for half an hour.
+DEFAULT_PG_TIMEOUT_S = 300.0
+
+
+def backend_for_device(cuda_available: bool) -> str:
+    """Return the collective backend for the device: ``"nccl"`` with CUDA, else ``"gloo"``."""
+    return "nccl" if cuda_available else "gloo"
+
+
+def _read_launcher_env(environ: Mapping[str, str]) -> tuple[int, int, int]:
+    """Return (rank, world_size, local_rank); raise RuntimeError naming any missing variable."""
+    missing = [name for name in REQUIRED_ENV if not environ.get(name)]
+    if missing:
+        raise RuntimeError(
+            f"environment variable(s) {', '.join(missing)} not set: this script must be started by "
+            "elastic-run (or torchrun), which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
+        )
+    try:
+        return int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"])
+    except ValueError as exc:
+        raise RuntimeError(f"RANK, WORLD_SIZE and LOCAL_RANK must be integers: {exc}") from exc
+
+
+def _timeout_from_env(environ: Mapping[str, str]) -> datetime.timedelta:
+    raw = environ.get(PG_TIMEOUT_ENV)
+    if raw is None or raw == "":
+        return datetime.timedelta(seconds=DEFAULT_PG_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{PG_TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+    if seconds <= 0:
+        raise ValueError(f"{PG_TIMEOUT_ENV} must be positive, got {raw!r}")
+    return datetime.timedelta(seconds=seconds)
+
+
+def init_process_group(backend: str | None = None, timeout: datetime.timedelta | None = None) -> str:
+    """Join the default process group described by the launcher's environment.
+
+    Args:
+        backend: collective backend; ``None`` picks :func:`backend_for_device` for this machine.
+        timeout: collective timeout; ``None`` reads ``ELASTIC_PG_TIMEOUT_S`` (seconds), default 300 s.
+
+    Returns:
+        The backend in use. Calling again once the group exists is a no-op returning its backend.
+
+    Raises:
+        RuntimeError: a launcher variable is missing or malformed (the message names it).
+        ValueError: ``ELASTIC_PG_TIMEOUT_S`` is not a positive number.
+    """
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed support")
+    if dist.is_initialized():
+        return str(dist.get_backend())
+    rank, world_size, local_rank = _read_launcher_env(os.environ)
+    if timeout is None:
+        timeout = _timeout_from_env(os.environ)
+    if backend is None:
+        backend = backend_for_device(torch.cuda.is_available())
+    if "nccl" in backend:
+        # One GPU per local rank; setting it before init makes nccl and `.cuda()` use the right device.
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend=backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout
+    )
+    return backend
+
+
+def destroy_process_group() -> None:
+    """Tear down the default process group; does nothing when none was initialized."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,93 @@
+"""The master's state store: where durable job state lives and who may serve the job.
+
+:class:`StateStore` is the one interface the server talks to. :class:`MemoryStore` keeps nothing
+across restarts and is always the leader (standalone default). ``EtcdStore`` (``master/etcd_store.py``)
+keeps the snapshot under ``/elastic/<job>/`` and elects one leader with an etcd lease.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+Snapshot = dict[str, Any]
+
+
+class StoreError(Exception):
+    """The store cannot be used (unreachable, bad URL...); the message is one actionable line."""
+
+
+class StateStore(abc.ABC):
+    """Durable job state plus leader election. All methods run on the master's event loop."""
+
+    #: False for stores whose state dies with the process (agents are told on a restart).
+    durable: bool = False
+
+    async def start(self) -> None:  # noqa: B027 - optional hook, a no-op for in-process stores
+        """Connect; raise :class:`StoreError` when the store is unreachable."""
+
+    @abc.abstractmethod
+    async def campaign(self, candidate: str, on_lost: Callable[[], Awaitable[None] | None]) -> None:
+        """Return once this master leads the job; ``on_lost`` is called if leadership is lost later."""
+
+    @abc.abstractmethod
+    async def load(self) -> Snapshot | None:
+        """The last saved snapshot, or None for a new job."""
+
+    @abc.abstractmethod
+    async def save(self, snapshot: Snapshot) -> None:
+        """Persist ``snapshot`` (only while leading); raise :class:`StoreError` on failure."""
+
+    async def leader_hint(self) -> str | None:
+        """The current leader's candidate string, when known (for redirects)."""
+        return None
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op for in-process stores
+        """Resign leadership (if held) and disconnect."""
+
+
+class MemoryStore(StateStore):
+    """In-process state: the default for standalone jobs; a restart starts a fresh job state."""
+
+    durable = False
+
+    def __init__(self) -> None:
+        self._snapshot: Snapshot | None = None
+
+    async def campaign(self, candidate: str, on_lost: Callable[[], Awaitable[None] | None]) -> None:
+        return None
+
+    async def load(self) -> Snapshot | None:
+        return self._snapshot
+
+    async def save(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+
+
+def open_store(url: str, job_id: str) -> StateStore:
+    """``memory://`` or ``etcd://HOST:PORT[,HOST:PORT...]`` → a store for ``job_id``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise StoreError(f"--store must look like memory:// or etcd://HOST:PORT, got {url!r}")
+    if scheme == "memory":
+        return MemoryStore()
+    if scheme == "etcd":
+        from master.etcd_store import EtcdStore  # the etcd client is imported only when used
+
+        return EtcdStore(rest, job_id)
+    raise StoreError(f"unknown store scheme {scheme!r} in --store {url!r}; use memory:// or etcd://HOST:PORT")
+
+
+def check_store(url: str, job_id: str) -> None:
+    """Fail fast, with one line, when the store at ``url`` cannot be reached (before serving)."""
+    import asyncio
+
+    async def probe() -> None:
+        store = open_store(url, job_id)
+        try:
+            await store.start()
+        finally:
+            await store.close()
+
+    asyncio.run(probe())
