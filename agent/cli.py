@@ -356,16 +356,19 @@ def _settings(o: dict) -> tuple[AgentSettings, str | None]:
 def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
     """Start (or find) the master, then run the agent loop; returns the exit code."""
     from agent.bootstrap import connect_or_host_master  # keeps `elastic-run --help` fast
+    from agent.channel import ProgressChannel
     from agent.workers import Reaper, WorkerGroup
 
     master, settings = connect_or_host_master(settings, embed_at)
     client = MasterClient(list(settings.masters), settings.job.job_id, settings.token)
     reaper = Reaper()
     group = WorkerGroup(reaper=reaper)
+    channel = ProgressChannel()
     try:
-        return ElasticAgent(settings, client, group).run()
+        return ElasticAgent(settings, client, group, channel).run()
     finally:
         group.close()
+        channel.close()
         reaper.close()
         client.close()
         if master is not None:

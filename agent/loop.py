@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.channel import ProgressChannel
 from agent.client import MasterClient, MasterError, MasterRejectedError, MasterUnreachableError
 from agent.envcontract import worker_envs
 from agent.net import free_port
@@ -77,10 +78,13 @@ class _NodeView:
 class ElasticAgent:
     """Runs this node's share of one job until the job ends; :meth:`run` returns the exit code."""
 
-    def __init__(self, settings: AgentSettings, client: MasterClient, group: WorkerGroup) -> None:
+    def __init__(
+        self, settings: AgentSettings, client: MasterClient, group: WorkerGroup, channel: ProgressChannel
+    ) -> None:
         self.settings = settings
         self.client = client
         self.group = group
+        self.channel = channel
         self.events: queue.SimpleQueue[_Event] = queue.SimpleQueue()  # put() is safe in signal handlers
         self.view = _NodeView()
         self.generation = 0
@@ -257,11 +261,14 @@ class ElasticAgent:
     # -- workers ----------------------------------------------------------------------------------
     def _start_workers(self, assignment: Assignment, generation: int) -> None:
         s = self.settings
-        extra = {"ELASTIC_NODE_ID": s.node_id}
+        extra = {"ELASTIC_NODE_ID": s.node_id, "ELASTIC_AGENT_SOCKET": self.channel.path}
+        if assignment.committed_step is not None:
+            extra["ELASTIC_COMMITTED_STEP"] = str(assignment.committed_step)
         if s.ckpt_dir is not None:
             extra["ELASTIC_CKPT_DIR"] = str(s.ckpt_dir)
         envs = worker_envs(os.environ, assignment, s.nproc, run_id=s.job.job_id, role=s.role, extra=extra)
         ranks = [assignment.rank_offset + i for i in range(s.nproc)]
+        self.channel.reset(s.nproc)
         self.group.start(
             WorkerSpec(
                 argv=list(s.argv),

@@ -95,6 +95,9 @@ class Assignment(_Model):
     restart_count: int
     max_restarts: int
     members: list[str] = Field(description="Node ids in rank order.")
+    committed_step: int | None = Field(
+        default=None, description="Newest checkpoint step that every rank holds; workers restore it."
+    )
 
 
 class Outcome(_Model):
@@ -120,6 +123,7 @@ class HeartbeatRequest(_Model):
     state: NodeState
     workers: list[WorkerProgress] = Field(default_factory=list, max_length=4096)
     failure: WorkerFailure | None = None
+    ckpt_step: int | None = Field(default=None, description="Newest step all local ranks have checkpointed.")
 
 
 class CommandReply(_Model):
@@ -158,6 +162,9 @@ class NodeStatus(_Model):
     round: int
     host: str
     nproc: int
+    step: int | None = None
+    step_time_s: float | None = None
+    straggler: bool = False
 
 
 class JobStatus(_Model):
@@ -170,6 +177,7 @@ class JobStatus(_Model):
     restart_count: int
     max_restarts: int
     outcome: Outcome | None = None
+    committed_step: int | None = None
     nodes: list[NodeStatus]
 
 

@@ -67,6 +67,17 @@ class NodeInfo:
     round: int = 0
     failures: int = 0
     workers: list[WorkerProgress] = field(default_factory=list)
+    ckpt_step: int | None = None
+
+    @property
+    def step(self) -> int | None:
+        steps = [w.step for w in self.workers if w.step is not None]
+        return min(steps) if steps else None
+
+    @property
+    def step_time_s(self) -> float | None:
+        times = [w.step_time_s for w in self.workers if w.step_time_s is not None]
+        return max(times) if times else None  # the node is as slow as its slowest worker
 
 
 def _describe_failure(node_id: str, failure: WorkerFailure) -> str:
@@ -88,6 +99,7 @@ class Job:
         self.liveness = Liveness(settings.heartbeat_timeout_s)
         self.nodes: dict[str, NodeInfo] = {}
         self.restart_count = 0
+        self.committed_step: int | None = None  # newest checkpoint step every rank holds
         self.outcome: Outcome | None = None
         self.events: deque[Event] = deque(maxlen=1000)
         self.event_count = 0  # events ever recorded (the deque keeps the newest)
@@ -161,6 +173,9 @@ class Job:
             )
         self.liveness.beat(req.node_id, now)
         node.workers = list(req.workers)
+        if req.ckpt_step is not None and req.round == self.rdzv.round:
+            node.ckpt_step = req.ckpt_step
+            self._update_committed_step()
         current_round = req.round == self.rdzv.round and self.rdzv.is_member(req.node_id)
         if current_round and node.state != req.state:
             node.state, node.round = req.state, req.round
@@ -218,6 +233,8 @@ class Job:
                     round=node.round,
                     host=node.host,
                     nproc=node.nproc,
+                    step=node.step,
+                    step_time_s=node.step_time_s,
                 )
             )
         if self.outcome is not None:
@@ -234,6 +251,7 @@ class Job:
             restart_count=self.restart_count,
             max_restarts=self.settings.max_restarts,
             outcome=self.outcome,
+            committed_step=self.committed_step,
             nodes=rows,
         )
 
@@ -256,6 +274,7 @@ class Job:
                 for n in self.nodes.values()
             ],
             "restart_count": self.restart_count,
+            "committed_step": self.committed_step,
             "outcome": None if self.outcome is None else self.outcome.model_dump(),
             "round_failed": sorted(self._round_failed),
             "succeeded": sorted(self._succeeded),
@@ -276,6 +295,7 @@ class Job:
                 n["node_id"], n["host"], n["nproc"], NodeState(n["state"]), n["round"], n["failures"]
             )
         job.restart_count = int(data.get("restart_count", 0))
+        job.committed_step = data.get("committed_step")
         job.outcome = Outcome(**data["outcome"]) if data.get("outcome") else None
         job._round_failed = set(data.get("round_failed", []))
         job._succeeded = set(data.get("succeeded", []))
@@ -313,7 +333,20 @@ class Job:
             restart_count=self.restart_count,
             max_restarts=self.settings.max_restarts,
             members=current.members,
+            committed_step=self.committed_step,
         )
+
+    def _update_committed_step(self) -> None:
+        """The committed step only moves forward, and only when every member of the round holds it."""
+        current = self.rdzv.current
+        if current is None or self.rdzv.phase is not Phase.ACTIVE:
+            return
+        steps = [self.nodes[n].ckpt_step if n in self.nodes else None for n in current.members]
+        if steps and all(s is not None for s in steps):
+            newest = min(steps)
+            if self.committed_step is None or newest > self.committed_step:
+                self.committed_step = newest
+                self.version += 1
 
     def _event(self, now: float, kind: str, message: str) -> None:
         self.events.append(Event(now, kind, message))
@@ -328,6 +361,8 @@ class Job:
         expected = set(self.rdzv.current.members) if self.rdzv.current else set()
         expected &= set(self.nodes)
         self._succeeded.clear()
+        for node in self.nodes.values():
+            node.ckpt_step = None  # checkpoint reports count per round; the committed step stays
         number = self.rdzv.open_round(now, expected)
         kind = "restart" if counted else "membership change"
         self._event(

@@ -1,0 +1,100 @@
+"""The agent's end of the worker→agent progress channel (see :mod:`elastic.report`).
+
+A Unix datagram socket in a private folder; one thread receives reports and keeps, per local rank,
+the last step, when it last advanced, recent step times and the newest checkpointed step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+RECENT_STEPS = 20
+
+
+@dataclass
+class RankProgress:
+    step: int | None = None
+    advanced_at: float = field(default_factory=time.monotonic)
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    ckpt_step: int | None = None
+
+    @property
+    def step_time_s(self) -> float | None:
+        """Median of the recent step durations (robust to one slow step)."""
+        return statistics.median(self.step_times) if self.step_times else None
+
+
+class ProgressChannel:
+    """Receives progress datagrams from this node's workers."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="elastic-agent-")
+        self.path = os.path.join(self._dir, "progress.sock")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(self.path)
+        self._lock = threading.Lock()
+        self._ranks: dict[int, RankProgress] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._receive, name="progress-channel", daemon=True)
+        self._thread.start()
+
+    def reset(self, nproc: int) -> None:
+        """Forget the previous workers' progress (called when a new worker group starts)."""
+        with self._lock:
+            self._ranks = {r: RankProgress() for r in range(nproc)}
+
+    def snapshot(self) -> dict[int, RankProgress]:
+        with self._lock:
+            return {
+                r: RankProgress(p.step, p.advanced_at, deque(p.step_times), p.ckpt_step)
+                for r, p in self._ranks.items()
+            }
+
+    def checkpointed_step(self) -> int | None:
+        """The newest step every local rank has checkpointed (None until all have)."""
+        with self._lock:
+            steps = [p.ckpt_step for p in self._ranks.values()]
+        return None if not steps or any(s is None for s in steps) else min(steps)
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+        try:
+            os.unlink(self.path)
+            os.rmdir(self._dir)
+        except OSError:
+            pass
+
+    def _receive(self) -> None:
+        while not self._closed:
+            try:
+                data = self._sock.recv(65536)
+            except OSError:
+                return  # closed
+            try:
+                message = json.loads(data)
+                self._apply(int(message["r"]), str(message["k"]), int(message["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a malformed datagram is dropped; workers cannot break the agent
+
+    def _apply(self, rank: int, kind: str, step: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            progress = self._ranks.get(rank)
+            if progress is None:
+                return
+            if kind == "step":
+                if progress.step is None or step > progress.step:
+                    if progress.step is not None:
+                        progress.step_times.append((now - progress.advanced_at) / (step - progress.step))
+                    progress.step, progress.advanced_at = step, now
+            elif kind == "ckpt" and (progress.ckpt_step is None or step > progress.ckpt_step):
+                progress.ckpt_step = step
