@@ -1,0 +1,5 @@
+"""``python -m agent`` is ``elastic-run``."""
+
+from agent.cli import main
+
+main()

@@ -1,0 +1,5 @@
+"""``python -m master`` is ``elastic-master``."""
+
+from master.cli import main
+
+main()

@@ -1,0 +1,168 @@
+"""Helpers for end-to-end tests: start real ``elastic-run``/``elastic-master`` processes, read their
+output, wait for lines with deadlines, and make sure nothing they started survives the test."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_SCRIPT = REPO / "scripts" / "train_script.py"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env.pop("OMP_NUM_THREADS", None)
+    env.update(extra)
+    return env
+
+
+class Proc:
+    """A launched command whose combined output goes to a file we can search while it runs."""
+
+    def __init__(
+        self, argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+    ):
+        self.argv = argv
+        self.log = log
+        self._fh = open(log, "wb")  # noqa: SIM115 - closed in wait()/kill()
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            env=env or base_env(),
+            cwd=cwd or REPO,
+            start_new_session=True,
+        )
+        self.pid = self.popen.pid
+        self._known: set[int] = set()
+
+    # -- output -----------------------------------------------------------------------------------
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float, *, after: int = 0) -> re.Match[str]:
+        """Wait until ``pattern`` (a regex) appears in the output past offset ``after``."""
+        regex = re.compile(pattern, re.M)
+        deadline = time.monotonic() + timeout
+        while True:
+            match = regex.search(self.output(), after)
+            if match:
+                return match
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{pattern!r} not seen within {timeout}s; output:\n{self.output()[-4000:]}"
+                )
+            if self.popen.poll() is not None:
+                match = regex.search(self.output(), after)
+                if match:
+                    return match
+                raise AssertionError(
+                    f"process exited ({self.popen.returncode}) before {pattern!r}; output:\n"
+                    f"{self.output()[-4000:]}"
+                )
+            time.sleep(0.05)  # polling a log file with a deadline; there is no event to wait on
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{self.argv[:3]} did not exit within {timeout}s; output:\n{self.output()[-4000:]}"
+            ) from None
+        finally:
+            if self.popen.returncode is not None:
+                self._fh.close()
+
+    # -- processes --------------------------------------------------------------------------------
+    def descendants(self) -> list[psutil.Process]:
+        """Live descendants (also remembered, so that they are checked after the launcher dies)."""
+        try:
+            children = psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        self._known.update(c.pid for c in children)
+        return children
+
+    def worker_pids(self, script: str = "train_script.py") -> list[int]:
+        out = []
+        for proc in self.descendants():
+            try:
+                if any(script in part for part in proc.cmdline()):
+                    out.append(proc.pid)
+            except psutil.Error:
+                continue
+        return out
+
+    def survivors(self) -> list[int]:
+        """PIDs we saw as descendants that are still alive (zombies count as gone)."""
+        alive = []
+        for pid in self._known:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                continue
+        return alive
+
+    def kill(self) -> None:
+        """Kill the launcher and everything it started (by PID and by process group)."""
+        self.descendants()
+        for pid in [self.pid, *self._known]:
+            for kill in (lambda p: os.killpg(p, signal.SIGKILL), lambda p: os.kill(p, signal.SIGKILL)):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    kill(pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(10)
+        self._fh.close()
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def elastic_run_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agent", *args]
+
+
+def elastic_master_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "master", *args]
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """``launch(argv, name=..., env=...) -> Proc``; every launched process tree is killed at teardown."""
+    procs: list[Proc] = []
+
+    def _launch(argv: list[str], name: str = "proc", env: dict[str, str] | None = None) -> Proc:
+        proc = Proc(argv, tmp_path / f"{name}-{len(procs)}.log", env=env)
+        procs.append(proc)
+        return proc
+
+    yield _launch
+    for proc in procs:
+        proc.kill()
