@@ -141,7 +141,10 @@ class Job:
             self.liveness.beat(req.node_id, now)
             self.rdzv.join(Candidate(req.node_id, req.host, req.nproc, req.store_port, now), now)
             self._event(now, "node_joined", f"node {req.node_id} ({req.host}, {req.nproc} workers) joined")
-            if was_member:
+            if was_member and self._succeeded:
+                why = f"member {req.node_id} restarted after other nodes had finished; cannot restart"
+                self._finish(Outcome(succeeded=False, exit_code=EXIT_FAILED, summary=why), now)
+            elif was_member:
                 # A member joining a running round means its agent restarted: a membership change.
                 self._open_round(now, f"member {req.node_id} rejoined", counted=False)
             self._advance(now)
@@ -171,7 +174,8 @@ class Job:
             raise UnknownNodeError(
                 f"node {req.node_id} is not part of job {self.settings.job_id}; join first"
             )
-        self.liveness.beat(req.node_id, now)
+        if req.node_id not in self._succeeded:  # a finished node is no longer watched for liveness
+            self.liveness.beat(req.node_id, now)
         node.workers = list(req.workers)
         if req.ckpt_step is not None and req.round == self.rdzv.round:
             node.ckpt_step = req.ckpt_step
@@ -182,7 +186,12 @@ class Job:
             self.version += 1
         if current_round and req.state is NodeState.FAILED and self.outcome is None:
             self._on_failure(node, req.failure, now)
-        elif current_round and req.state is NodeState.SUCCEEDED and self.outcome is None:
+        elif (
+            current_round
+            and req.state is NodeState.SUCCEEDED
+            and self.outcome is None
+            and node.node_id not in self._succeeded  # repeated reports are not new transitions
+        ):
             self._on_success(node, now)
         return self.command_for(req.node_id, req.round)
 
@@ -191,6 +200,7 @@ class Job:
         if node_id not in self.nodes:
             raise UnknownNodeError(f"node {node_id} is not part of job {self.settings.job_id}")
         self._remove(node_id, f"node {node_id} left" + (f" ({reason})" if reason else ""), "node_left", now)
+        self._advance(now)
 
     def command_for(self, node_id: str, node_round: int) -> CommandReply:
         """What a node whose workers run in ``node_round`` must do now (used by heartbeat and watch)."""
@@ -441,7 +451,8 @@ class Job:
     def _advance(self, now: float) -> None:
         """Close the open round, start growth, or time out the rendezvous, as due."""
         rdzv = self.rdzv
-        if rdzv.phase is Phase.ACTIVE and rdzv.growth_due(now):
+        # Once a member has finished, its agent is gone: the world can no longer be re-formed.
+        if rdzv.phase is Phase.ACTIVE and not self._succeeded and rdzv.growth_due(now):
             self._open_round(now, f"admitting waiting nodes {', '.join(rdzv.waiting)}", counted=False)
         if rdzv.phase is Phase.OPEN:
             closed = rdzv.try_close(now)

@@ -7,7 +7,8 @@ Lifecycle of the machine::
 * ``OPEN``: nodes join. The round closes when ``max_nodes`` have joined; or when at least ``min_nodes``
   have joined and every node *expected back* (the previous round's members that are still alive) has
   joined, so a restart after a crash closes at once; or, for nodes that are new, when the last-call
-  window has passed since ``min_nodes`` was reached. The admitted count is rounded down to a multiple
+  window has passed since ``min_nodes`` was reached and no expected member is still pending (pending
+  members are waited for up to ``rejoin_timeout_s``). The admitted count is rounded down to a multiple
   of ``node_unit``; the others stay on the wait list.
 * ``ACTIVE``: the admitted members train. Ranks are stable: the previous members keep their order,
   new nodes are appended in join order.
@@ -132,7 +133,16 @@ class Rendezvous:
             return None
         full = joined >= s.max_nodes
         all_back = bool(self._expected) and self._expected <= self._joined.keys()
-        last_call_over = self._min_reached_at is not None and now >= self._min_reached_at + s.last_call_s
+        # Live members that are still stopping their workers are waited for (a restart must not shrink
+        # the world), but only up to the rejoin timeout: a member that never comes back is left out.
+        members_pending = bool(self._expected - self._joined.keys()) and (
+            self.opened_at is None or now < self.opened_at + s.rejoin_timeout_s
+        )
+        last_call_over = (
+            self._min_reached_at is not None
+            and now >= self._min_reached_at + s.last_call_s
+            and not members_pending
+        )
         if not (full or all_back or last_call_over):
             return None
         return self._close(admitted, now)

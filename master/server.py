@@ -62,7 +62,7 @@ class Notifier:
         self._event = asyncio.Event()
 
     async def wait(self, timeout: float) -> None:
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError):  # not the builtin TimeoutError before 3.11
             await asyncio.wait_for(self._event.wait(), timeout)
 
 
@@ -182,43 +182,70 @@ class MasterService:
             await self.notifier.wait(remaining)
 
 
-class BodySizeLimit:
-    """ASGI middleware: reject request bodies over ``limit`` bytes with 413 before parsing them."""
+class Gatekeeper:
+    """ASGI middleware in front of ``/v1``: token and job id first (401/409), then the body size (413).
 
-    def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:
-        self.app, self.limit = app, limit
+    It runs before routing, so an unauthenticated client learns nothing about request validation, and
+    the body is read here (at most ``limit`` bytes, also for chunked requests) before the app parses it.
+    """
+
+    def __init__(self, app, token: str, job_id: str, limit: int = MAX_BODY_BYTES) -> None:
+        self.app, self.token, self.job_id, self.limit = app, token.encode(), job_id, limit
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX + "/"):
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
+        given = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
+        if not given or not secrets.compare_digest(given, self.token):
+            return await _reply(
+                send, 401, "unauthorized", "missing or wrong bearer token; check --token-file"
+            )
+        job = headers.get(JOB_HEADER.lower().encode(), b"").decode(errors="replace")
+        if job != self.job_id:
+            return await _reply(
+                send, 409, "wrong_job", f"this master serves job {self.job_id!r}, not {job!r}"
+            )
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await _too_large(send, self.limit)
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
+            return await _reply(send, 413, "body_too_large", f"request body exceeds {self.limit} bytes")
+        body = bytearray()
+        more = True
+        while more:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise ApiError(413, "body_too_large", f"request body exceeds {self.limit} bytes")
-            return message
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay(message), send)  # client went away
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                return await _reply(send, 413, "body_too_large", f"request body exceeds {self.limit} bytes")
+        return await self.app(scope, _replay({"type": "http.request", "body": bytes(body)}), send)
 
-        return await self.app(scope, limited_receive, send)
+
+def _replay(first: dict):
+    """An ASGI ``receive`` that yields ``first`` once, then waits for the disconnect like a real one."""
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return first
+        await asyncio.Event().wait()  # never set: the server cancels us when the client disconnects
+
+    return receive
 
 
-async def _too_large(send, limit: int) -> None:
-    body = ErrorBody(error="body_too_large", message=f"request body exceeds {limit} bytes").model_dump_json()
+async def _reply(send, status: int, code: str, message: str) -> None:
+    body = ErrorBody(error=code, message=message).model_dump_json().encode()
     await send(
         {
             "type": "http.response.start",
-            "status": 413,
+            "status": status,
             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
         }
     )
-    await send({"type": "http.response.body", "body": body.encode()})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
@@ -228,6 +255,10 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
 def _describe_validation(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors()[:5]:
+        if err.get("type") == "json_invalid":  # loc holds a character position, not a field
+            detail = (err.get("ctx") or {}).get("error", "invalid JSON")
+            parts.append(f"body is not valid JSON (at character {err['loc'][-1]}): {detail}")
+            continue
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
     return "; ".join(parts) or "malformed request"
@@ -241,11 +272,7 @@ def create_app(service: MasterService) -> FastAPI:
         authorization: Annotated[str | None, Header()] = None,
         x_elastic_job: Annotated[str | None, Header(alias=JOB_HEADER)] = None,
     ) -> None:
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not given or not secrets.compare_digest(given.encode(), token.encode()):
-            raise ApiError(401, "unauthorized", "missing or wrong bearer token; check --token-file")
-        if x_elastic_job != job_id:
-            raise ApiError(409, "wrong_job", f"this master serves job {job_id!r}, not {x_elastic_job!r}")
+        """Documents the two headers in the OpenAPI schema; :class:`Gatekeeper` enforces them."""
 
     async def lifespan(app: FastAPI):
         s = service.settings.job
@@ -343,7 +370,7 @@ def create_app(service: MasterService) -> FastAPI:
     async def status() -> JobStatus:
         return job().status(service.clock())
 
-    app.add_middleware(BodySizeLimit)
+    app.add_middleware(Gatekeeper, token=token, job_id=job_id)
     return app
 
 

@@ -12,6 +12,8 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 4.0
 DEFAULT_LAST_CALL_S = 2.0
 DEFAULT_JOIN_TIMEOUT_S = 600.0
 DEFAULT_MAX_RESTARTS = 3
+#: How long a restart round waits for live members that are still stopping their workers.
+DEFAULT_REJOIN_TIMEOUT_S = 30.0
 
 
 class SettingsError(ValueError):
@@ -52,6 +54,7 @@ class JobSettings:
     max_restarts: int = DEFAULT_MAX_RESTARTS
     #: How long a worker may report no progress before it is declared hung (0 = off).
     hang_timeout_s: float = 0.0
+    rejoin_timeout_s: float = DEFAULT_REJOIN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -67,7 +70,7 @@ class JobSettings:
         for name in ("last_call_s", "hang_timeout_s"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0")
-        for name in ("join_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s"):
+        for name in ("join_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "rejoin_timeout_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be > 0")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
