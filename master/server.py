@@ -124,7 +124,13 @@ class MasterService:
         while True:
             self._lost = asyncio.Event()
             await self.store.campaign(self.master_id, self._lost.set)
-            snapshot = await self.store.load()
+            try:
+                snapshot = await self.store.load()
+            except StoreError as exc:
+                # Never start a fresh job over state that exists but could not be read: campaign again.
+                log.error("elected, but cannot read the job state (%s); retrying", exc)
+                await asyncio.sleep(1.0)
+                continue
             now = self.clock()
             job_settings = self.settings.job
             self.job = (
