@@ -1,12 +1,15 @@
 """The agent's end of the worker→agent progress channel (see :mod:`elastic.report`).
 
 A Unix datagram socket in a private folder; one thread receives reports and keeps, per local rank,
-the last step, when it last advanced, recent step times and the newest checkpointed step.
+the last step, when it last advanced, recent step times and the newest checkpointed step. Checkpoint
+reports are also passed to an optional ``on_checkpoint(local_rank, step, location, persist_to)``
+callback (the checkpoint keeper), called on the receiving thread: it must not block.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import statistics
@@ -14,9 +17,12 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 RECENT_STEPS = 20
+
+log = logging.getLogger("elastic.agent")
 
 
 @dataclass
@@ -25,17 +31,27 @@ class RankProgress:
     advanced_at: float = field(default_factory=time.monotonic)
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     ckpt_step: int | None = None
+    #: Recent compute times per step (step time minus all-reduce wait; only with elastic.track_ddp).
+    compute_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    #: The worker said its training is over (elastic.report.report_done): no more steps to expect.
+    done: bool = False
 
     @property
     def step_time_s(self) -> float | None:
         """Median of the recent step durations (robust to one slow step)."""
         return statistics.median(self.step_times) if self.step_times else None
 
+    @property
+    def compute_time_s(self) -> float | None:
+        """Median of the recent compute times per step, when the worker measures them."""
+        return statistics.median(self.compute_times) if self.compute_times else None
+
 
 class ProgressChannel:
     """Receives progress datagrams from this node's workers."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_checkpoint: Callable[[int, int, str, str], None] | None = None) -> None:
+        self._on_checkpoint = on_checkpoint
         self._dir = tempfile.mkdtemp(prefix="elastic-agent-")
         self.path = os.path.join(self._dir, "progress.sock")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -54,7 +70,9 @@ class ProgressChannel:
     def snapshot(self) -> dict[int, RankProgress]:
         with self._lock:
             return {
-                r: RankProgress(p.step, p.advanced_at, deque(p.step_times), p.ckpt_step)
+                r: RankProgress(
+                    p.step, p.advanced_at, deque(p.step_times), p.ckpt_step, deque(p.compute_times), p.done
+                )
                 for r, p in self._ranks.items()
             }
 
@@ -81,20 +99,33 @@ class ProgressChannel:
                 return  # closed
             try:
                 message = json.loads(data)
-                self._apply(int(message["r"]), str(message["k"]), int(message["step"]))
-            except (ValueError, KeyError, TypeError):
+                rank, kind, step = int(message["r"]), str(message["k"]), int(message["step"])
+                location, persist_to = str(message.get("loc") or ""), str(message.get("dir") or "")
+                compute = float(message["b"]) if "b" in message else None
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a malformed datagram is dropped; workers cannot break the agent
+            if self._apply(rank, kind, step, compute) and kind == "ckpt" and self._on_checkpoint is not None:
+                try:
+                    self._on_checkpoint(rank, step, location, persist_to)
+                except Exception:  # a failing callback must not stop progress reports
+                    log.exception("checkpoint callback failed for local rank %d step %d", rank, step)
 
-    def _apply(self, rank: int, kind: str, step: int) -> None:
+    def _apply(self, rank: int, kind: str, step: int, compute: float | None = None) -> bool:
+        """Record a report; False when it is of no current local rank."""
         now = time.monotonic()
         with self._lock:
             progress = self._ranks.get(rank)
             if progress is None:
-                return
+                return False
             if kind == "step":
                 if progress.step is None or step > progress.step:
                     if progress.step is not None:
                         progress.step_times.append((now - progress.advanced_at) / (step - progress.step))
                     progress.step, progress.advanced_at = step, now
+                    if compute is not None and compute >= 0:
+                        progress.compute_times.append(compute)
             elif kind == "ckpt" and (progress.ckpt_step is None or step > progress.ckpt_step):
                 progress.ckpt_step = step
+            elif kind == "done":
+                progress.done = True
+        return True

@@ -20,7 +20,12 @@ import click
 from agent.client import MasterClient, MasterError, parse_addresses
 from agent.loop import EXIT_CONFIG, AgentError, ElasticAgent
 from agent.net import is_local_host, local_address_for, split_address
-from agent.settings import DEFAULT_MASTER_TIMEOUT_S, DEFAULT_STOP_GRACE_S, AgentSettings
+from agent.settings import (
+    DEFAULT_HANG_TIMEOUT_S,
+    DEFAULT_MASTER_TIMEOUT_S,
+    DEFAULT_STOP_GRACE_S,
+    AgentSettings,
+)
 from elastic.auth import TokenError, derived_token, read_token_file
 from master import settings as ms
 
@@ -231,7 +236,15 @@ CONTEXT = {
     "--ckpt-dir",
     type=click.Path(file_okay=False),
     default=None,
-    help="Checkpoint folder, exported to workers as ELASTIC_CKPT_DIR.",
+    help="Checkpoint folder, exported to workers as ELASTIC_CKPT_DIR; the agent persists the workers' "
+    "in-memory checkpoints there in the background.",
+)
+@click.option(
+    "--ckpt-keep",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Checkpoints to keep in --ckpt-dir.",
 )
 @click.option(
     "--node-unit",
@@ -282,6 +295,46 @@ CONTEXT = {
     show_default=True,
     help="Give up after the master is unreachable this long (workers keep training meanwhile).",
 )
+@click.option(
+    "--hang-timeout",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_HANG_TIMEOUT_S,
+    show_default=True,
+    help="A worker that reported steps and made none for this many seconds, or whose process is stopped "
+    "or in disk sleep this long, is hung: its stack is recorded and the world restarts. 0: off.",
+)
+@click.option(
+    "--node-check",
+    type=click.Choice(ms.NODE_CHECK_MODES),
+    default="off",
+    show_default=True,
+    is_flag=False,
+    flag_value="on",
+    help="Embedded master: before the first round, check every node (matmul, allreduce in pairs); 'on' "
+    "(or no value) excludes failed or slow nodes, 'warn' only reports them. Right before the script, "
+    "write --node-check=on. With elastic-master, set it there.",
+)
+@click.option(
+    "--node-check-factor",
+    type=click.FloatRange(min=1, min_open=True),
+    default=ms.DEFAULT_NODE_CHECK_FACTOR,
+    show_default=True,
+    help="Embedded master: a node whose check figures exceed this many times the median counts as slow.",
+)
+@click.option(
+    "--straggler-factor",
+    type=click.FloatRange(min=1, min_open=True),
+    default=ms.DEFAULT_STRAGGLER_FACTOR,
+    show_default=True,
+    help="Embedded master: flag a node whose step time exceeds this many times the nodes' median.",
+)
+@click.option(
+    "--no-warm-start",
+    "no_warm_start",
+    is_flag=True,
+    help="Always start workers with a fresh interpreter (exec), never from the pre-started one that has "
+    "torch imported.",
+)
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 def cli(**opts) -> int:
@@ -327,6 +380,9 @@ def _settings(o: dict) -> tuple[AgentSettings, str | None]:
             heartbeat_interval_s=o["heartbeat_interval"],
             heartbeat_timeout_s=o["heartbeat_timeout"],
             max_restarts=o["max_restarts"],
+            straggler_factor=o["straggler_factor"],
+            node_check=o["node_check"],
+            node_check_factor=o["node_check_factor"],
             **_rdzv_conf(o["rdzv_conf"]),
         )
     except ms.SettingsError as exc:
@@ -347,8 +403,11 @@ def _settings(o: dict) -> tuple[AgentSettings, str | None]:
         role=o["role"],
         log_dir=pathlib.Path(o["log_dir"]).resolve() if o["log_dir"] else None,
         ckpt_dir=pathlib.Path(o["ckpt_dir"]).resolve() if o["ckpt_dir"] else None,
+        ckpt_keep=o["ckpt_keep"],
         stop_grace_s=o["stop_grace"],
         master_timeout_s=o["master_timeout"],
+        warm_start=not o["no_warm_start"],
+        hang_timeout_s=o["hang_timeout"],
     )
     return settings, embed
 
@@ -357,18 +416,32 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
     """Start (or find) the master, then run the agent loop; returns the exit code."""
     from agent.bootstrap import connect_or_host_master  # keeps `elastic-run --help` fast
     from agent.channel import ProgressChannel
+    from agent.ckpt_keeper import KeeperError, keeper_for
+    from agent.warm import WarmLauncher
     from agent.workers import Reaper, WorkerGroup
 
     master, settings = connect_or_host_master(settings, embed_at)
     client = MasterClient(list(settings.masters), settings.job.job_id, settings.token)
     reaper = Reaper()
-    group = WorkerGroup(reaper=reaper)
-    channel = ProgressChannel()
+    # The zygote imports torch in the background; the first workers are exec'd if it is not ready yet.
+    launcher = WarmLauncher(reaper, argv_hint=settings.argv) if settings.warm_start else None
+    group = WorkerGroup(reaper=reaper, launcher=launcher)
+    # Checkpoint shared memory of this node; the test hook ELASTIC_PERSIST_DELAY_S slows its persists.
+    keeper = keeper_for(
+        settings.job.job_id, settings.node_id, settings.ckpt_dir, settings.ckpt_keep, os.environ
+    )
+    channel = ProgressChannel(on_checkpoint=keeper.on_checkpoint)
     try:
-        return ElasticAgent(settings, client, group, channel).run()
+        keeper.start()
+        return ElasticAgent(settings, client, group, channel, worker_env=keeper.worker_env()).run()
+    except KeeperError as exc:
+        raise AgentError(f"cannot set up the checkpoint shared memory: {exc}") from None
     finally:
         group.close()
+        if launcher is not None:
+            launcher.close()
         channel.close()
+        keeper.stop()  # after the workers: persists what is pending, then frees the memory
         reaper.close()
         client.close()
         if master is not None:

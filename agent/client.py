@@ -7,6 +7,7 @@ on to the next when it is unreachable or answers that it is not the leader.
 
 from __future__ import annotations
 
+import random
 import threading
 from typing import TypeVar
 
@@ -61,6 +62,26 @@ def parse_addresses(text: str) -> list[str]:
     return out
 
 
+class Backoff:
+    """Delays between retries of a master call that got no answer: exponential from ``first`` up to
+    ``cap``, each drawn at random from the upper half of the current step ("equal jitter"), so that the
+    agents of many nodes that lost the same master do not retry in lockstep, and a master that just took
+    over is not hit by every node at the same instant. ``Backoff(x, x)`` is a jittered period of at most x.
+    """
+
+    def __init__(self, first: float = 0.1, cap: float = 2.0) -> None:
+        self.first, self.cap = first, max(first, cap)
+        self._step = first
+
+    def next(self) -> float:
+        delay = self._step
+        self._step = min(self.cap, self._step * 2)
+        return delay * random.uniform(0.5, 1.0)
+
+    def reset(self) -> None:
+        self._step = self.first
+
+
 class MasterClient:
     """Typed calls of the master's ``/v1`` API."""
 
@@ -96,7 +117,12 @@ class MasterClient:
         body: BaseModel | None = None,
         params: dict | None = None,
         wait: float = 0.0,
+        timeout: float | None = None,
     ) -> M:
+        # ``timeout`` (default: the client's) bounds each address's attempt, so that a master that
+        # accepts connections but never answers (hung, partitioned, SIGSTOPped) costs only that long
+        # before the next address is tried.
+        timeout = self._timeout if timeout is None else timeout
         last: Exception | None = None
         count = len(self.addresses)
         for i in range(count):
@@ -109,7 +135,7 @@ class MasterClient:
                     params=params,
                     content=body.model_dump_json() if body is not None else None,
                     headers={"Content-Type": "application/json"} if body is not None else None,
-                    timeout=httpx.Timeout(self._timeout + wait, connect=min(self._timeout, 3.0)),
+                    timeout=httpx.Timeout(timeout + wait, connect=min(timeout, 3.0)),
                 )
             except httpx.TransportError as exc:
                 last = exc
@@ -138,8 +164,8 @@ class MasterClient:
         params = {"node_id": node_id, "after": after, "timeout": timeout}
         return self._call("GET", "/round", RoundReply, params=params, wait=timeout)
 
-    def heartbeat(self, req: HeartbeatRequest) -> CommandReply:
-        return self._call("POST", "/heartbeat", CommandReply, body=req)
+    def heartbeat(self, req: HeartbeatRequest, timeout: float | None = None) -> CommandReply:
+        return self._call("POST", "/heartbeat", CommandReply, body=req, timeout=timeout)
 
     def watch(self, node_id: str, round_number: int, timeout: float) -> CommandReply:
         params = {"node_id": node_id, "round": round_number, "timeout": timeout}

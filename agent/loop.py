@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.channel import ProgressChannel
-from agent.client import MasterClient, MasterError, MasterRejectedError, MasterUnreachableError
+from agent.client import Backoff, MasterClient, MasterError, MasterRejectedError, MasterUnreachableError
 from agent.envcontract import worker_envs
+from agent.health import HealthMixin
 from agent.net import free_port
 from agent.settings import AgentSettings
 from agent.workers import FailureInfo, WorkerExit, WorkerGroup, WorkerSpec
@@ -35,8 +36,10 @@ from elastic.protocol import (
     Command,
     CommandReply,
     HeartbeatRequest,
+    JoinReply,
     JoinRequest,
     LeaveRequest,
+    NodeCheckResult,
     NodeState,
     Outcome,
     WorkerFailure,
@@ -58,9 +61,14 @@ class AgentError(Exception):
         self.exit_code = exit_code
 
 
+class _NodeUnknownError(Exception):
+    """The master answered 404 unknown_node to a call the loop needed (see ``_on_node_unknown``)."""
+
+
 @dataclass
 class _Event:
-    kind: str  # assigned | finished | exit | command | signal | master_lost | node_unknown
+    # assigned | finished | exit | command | signal | master_lost | node_unknown | hang | check_timeout
+    kind: str
     generation: int
     payload: Any = None
 
@@ -73,22 +81,33 @@ class _NodeView:
     round: int = 0
     failure: WorkerFailure | None = None
     pids: list[int] = field(default_factory=list)
+    node_check: NodeCheckResult | None = None  # this node's result in a node-check round (agent.health)
 
 
-class ElasticAgent:
+class ElasticAgent(HealthMixin):
     """Runs this node's share of one job until the job ends; :meth:`run` returns the exit code."""
 
     def __init__(
-        self, settings: AgentSettings, client: MasterClient, group: WorkerGroup, channel: ProgressChannel
+        self,
+        settings: AgentSettings,
+        client: MasterClient,
+        group: WorkerGroup,
+        channel: ProgressChannel,
+        worker_env: dict[str, str] | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
         self.group = group
         self.channel = channel
+        self.worker_env = dict(worker_env or {})  # added to every worker's environment (ELASTIC_SHM_DIR)
         self.events: queue.SimpleQueue[_Event] = queue.SimpleQueue()  # put() is safe in signal handlers
         self.view = _NodeView()
         self.generation = 0
         self.heartbeat_interval = settings.job.heartbeat_interval_s
+        #: Per-address limit of one heartbeat call: a third of the master's heartbeat timeout, so that
+        #: after a failover a node whose last master hangs (rather than refusing connections) still
+        #: reaches the new leader well within its grace period (one heartbeat timeout).
+        self.heartbeat_call_timeout = settings.job.heartbeat_timeout_s / 3
         self._closing = threading.Event()
         self._last_contact = time.monotonic()
         self.host = settings.local_addr or "127.0.0.1"
@@ -110,6 +129,7 @@ class ElasticAgent:
     def _check_job_settings(self) -> None:
         info = self.client.info()
         self.heartbeat_interval = info.heartbeat_interval_s
+        self.heartbeat_call_timeout = info.heartbeat_timeout_s / 3
         want = self.settings.job
         if (info.min_nodes, info.max_nodes) != (want.min_nodes, want.max_nodes):
             raise AgentError(
@@ -117,6 +137,7 @@ class ElasticAgent:
                 f"which runs {info.min_nodes}:{info.max_nodes}; use the same --nnodes on every node",
                 EXIT_CONFIG,
             )
+        self._check_health_settings(info)
 
     # -- the loop ---------------------------------------------------------------------------------
     def _rounds(self) -> int:
@@ -124,7 +145,18 @@ class ElasticAgent:
         while True:
             self.generation += 1
             self.view = _NodeView()
-            self._join()
+            joined = self._join()
+            if joined.round <= after:
+                # Rounds only grow, so the master restarted without its state (memory store): wait for
+                # its rounds, not for a round past the last one we saw.
+                log.warning(
+                    "master %s is at round %d, not past this node's last round %d: it lost the job's "
+                    "state (restarted without a durable store); joining its rounds afresh",
+                    joined.master_id,
+                    joined.round,
+                    after,
+                )
+                after = joined.round - 1
             threading.Thread(
                 target=self._await_assignment, args=(self.generation, after), name="rendezvous", daemon=True
             ).start()
@@ -139,11 +171,11 @@ class ElasticAgent:
                 continue
             assignment: Assignment = event.payload
             after = assignment.round
-            verdict = self._train(assignment)
+            verdict = self._check_round(assignment) if assignment.check else self._train(assignment)
             if verdict is not None:
                 return verdict
 
-    def _join(self) -> None:
+    def _join(self) -> JoinReply:
         store_port = free_port(self.host)
         req = JoinRequest(
             node_id=self.settings.node_id,
@@ -153,7 +185,7 @@ class ElasticAgent:
             min_nodes=self.settings.job.min_nodes,
             max_nodes=self.settings.job.max_nodes,
         )
-        self._call_master(lambda: self.client.join(req), "join")
+        return self._call_master(lambda: self.client.join(req), "join")
 
     def _train(self, assignment: Assignment) -> int | None:
         """Run the workers of one round; return an exit code, or None to rejoin."""
@@ -183,11 +215,7 @@ class ElasticAgent:
             if event.kind == "master_lost":
                 raise AgentError(event.payload)
             if event.kind == "node_unknown":
-                log.warning(
-                    "the master no longer knows this node (was it restarted without a durable "
-                    "store?); stopping workers and rejoining"
-                )
-                self._stop_workers()
+                self._on_node_unknown()
                 return None
             if event.kind == "exit":
                 exit_: WorkerExit = event.payload
@@ -197,6 +225,8 @@ class ElasticAgent:
                         return self._report_success(assignment.round)
                     continue
                 return self._report_failure(assignment.round, self.group.failure_info(exit_))
+            if event.kind == "hang":
+                return self._on_hang(assignment, event.payload)
             if event.kind == "command":
                 reply: CommandReply = event.payload
                 self._stop_workers()
@@ -206,7 +236,7 @@ class ElasticAgent:
                 return None
 
     # -- outcomes ---------------------------------------------------------------------------------
-    def _report_failure(self, round_number: int, info: FailureInfo) -> int | None:
+    def _report_failure(self, round_number: int, info: FailureInfo, kind: str = "crash") -> int | None:
         # The group's generic fallback ("killed by SIGKILL") only repeats the signal; keep real messages.
         generic = info.message.startswith(("killed by ", "exited with code "))
         failure = WorkerFailure(
@@ -215,12 +245,21 @@ class ElasticAgent:
             exit_code=info.exit_code,
             signal=info.signal,
             message="" if generic else info.message[-8000:],
+            kind=kind,
         )
         how = f"signal {info.signal}" if info.signal else f"exit code {info.exit_code}"
+        if kind == "hang":
+            how = "a hang"
         log.warning("rank %d (local rank %d) failed with %s", info.global_rank, info.local_rank, how)
         self.view = _NodeView(state=NodeState.FAILED, round=round_number, failure=failure)
         # Report before stopping the others, so that the other nodes start stopping in parallel.
-        reply = self._call_master(lambda: self.client.heartbeat(self._heartbeat_request()), "failure report")
+        try:
+            reply = self._call_master(
+                lambda: self.client.heartbeat(self._heartbeat_request()), "failure report"
+            )
+        except _NodeUnknownError:  # e.g. a peer's crash caused by the master's restart: just rejoin
+            self._on_node_unknown()
+            return None
         self._stop_workers()
         if reply.command is Command.STOP:
             return self._finish(reply.outcome)
@@ -228,7 +267,13 @@ class ElasticAgent:
 
     def _report_success(self, round_number: int) -> int | None:
         self.view = _NodeView(state=NodeState.SUCCEEDED, round=round_number)
-        reply = self._call_master(lambda: self.client.heartbeat(self._heartbeat_request()), "success report")
+        try:
+            reply = self._call_master(
+                lambda: self.client.heartbeat(self._heartbeat_request()), "success report"
+            )
+        except _NodeUnknownError:  # the master lost the job's state: rejoin (resumes from the checkpoint)
+            self._on_node_unknown()
+            return None
         if reply.command is Command.STOP or self.settings.host_master_at is None:
             return self._finish(reply.outcome or Outcome(succeeded=True, exit_code=0))
         # This agent hosts the master for other nodes: keep serving until the whole job is over.
@@ -266,7 +311,9 @@ class ElasticAgent:
             extra["ELASTIC_COMMITTED_STEP"] = str(assignment.committed_step)
         if s.ckpt_dir is not None:
             extra["ELASTIC_CKPT_DIR"] = str(s.ckpt_dir)
+        extra.update(self.worker_env)
         envs = worker_envs(os.environ, assignment, s.nproc, run_id=s.job.job_id, role=s.role, extra=extra)
+        self._add_stack_files(envs, assignment)
         ranks = [assignment.rank_offset + i for i in range(s.nproc)]
         self.channel.reset(s.nproc)
         self.group.start(
@@ -280,6 +327,16 @@ class ElasticAgent:
             ),
             on_exit=lambda exit_: self.events.put(_Event("exit", generation, exit_)),
         )
+
+    def _on_node_unknown(self) -> None:
+        """The master answered 404 unknown_node for this node while it ran workers: it lost its state
+        (restarted with the memory store) or dropped the node (declared it dead). Say so, stop the
+        workers and rejoin: never keep training in a world the master no longer tracks (split brain)."""
+        log.warning(
+            "the master no longer knows this node (it was restarted without a durable store, or it "
+            "declared this node dead); stopping workers and rejoining"
+        )
+        self._stop_workers()
 
     def _stop_workers(self) -> None:
         self.generation += 1  # exits caused by the stop are not failures
@@ -297,6 +354,7 @@ class ElasticAgent:
                 return event
 
     def _await_assignment(self, generation: int, after: int) -> None:
+        retry = Backoff(0.1, min(1.0, self.heartbeat_interval))  # while the master is away
         while generation == self.generation and not self._closing.is_set():
             try:
                 reply = self.client.next_round(self.settings.node_id, after, LONG_POLL_S)
@@ -307,9 +365,10 @@ class ElasticAgent:
             except MasterError:
                 if self._master_lost(generation):
                     return
-                time.sleep(min(1.0, self.heartbeat_interval))  # back off while the master is away
+                time.sleep(retry.next())
                 continue
             self._contact()
+            retry.reset()
             if reply.status == "assigned":
                 self.events.put(_Event("assigned", generation, reply.assignment))
                 return
@@ -318,6 +377,7 @@ class ElasticAgent:
                 return
 
     def _watch(self, generation: int, round_number: int) -> None:
+        retry = Backoff(0.1, min(1.0, self.heartbeat_interval))  # while the master is away
         while generation == self.generation and not self._closing.is_set():
             try:
                 reply = self.client.watch(self.settings.node_id, round_number, LONG_POLL_S)
@@ -330,35 +390,58 @@ class ElasticAgent:
             except MasterError:
                 if self._master_lost(generation):
                     return
-                time.sleep(min(1.0, self.heartbeat_interval))
+                time.sleep(retry.next())
                 continue
             self._contact()
+            retry.reset()
             if reply.command is not Command.CONTINUE:
                 self.events.put(_Event("command", generation, reply))
                 return
 
     def _heartbeat_request(self) -> HeartbeatRequest:
         view = self.view
-        workers = [WorkerProgress(local_rank=i, pid=pid) for i, pid in enumerate(view.pids)]
+        progress = self.channel.snapshot() if view.state is NodeState.RUNNING else {}
+        workers = []
+        for i, pid in enumerate(view.pids):
+            p = progress.get(i)
+            workers.append(
+                WorkerProgress(
+                    local_rank=i,
+                    pid=pid,
+                    step=p.step if p else None,
+                    step_time_s=p.step_time_s if p else None,
+                    compute_time_s=p.compute_time_s if p else None,
+                )
+            )
         return HeartbeatRequest(
             node_id=self.settings.node_id,
             round=view.round,
             state=view.state,
             workers=workers,
             failure=view.failure,
+            ckpt_step=self.channel.checkpointed_step() if view.state is not NodeState.WAITING else None,
+            node_check=view.node_check,
         )
 
     def _heartbeat_loop(self) -> None:
-        while not self._closing.wait(self.heartbeat_interval):
+        # After a failed heartbeat the next one comes after a random 50-100% of the interval: jitter but
+        # no backoff, so that a master that just took over hears from every live node well within its
+        # grace period (one heartbeat timeout), yet not from all nodes at the same instant.
+        retry = Backoff(self.heartbeat_interval, self.heartbeat_interval)
+        wait = self.heartbeat_interval
+        while not self._closing.wait(wait):
+            wait = self.heartbeat_interval
             generation = self.generation
+            self._check_hangs(generation)  # a hung worker queues a "hang" event (agent.health)
             try:
-                reply = self.client.heartbeat(self._heartbeat_request())
+                reply = self.client.heartbeat(self._heartbeat_request(), timeout=self.heartbeat_call_timeout)
             except MasterRejectedError as exc:
                 if exc.code == "unknown_node" and self.view.state is not NodeState.WAITING:
                     self.events.put(_Event("node_unknown", generation, exc.message))
                 continue
             except MasterError:
                 self._master_lost(generation)
+                wait = retry.next()
                 continue
             self._contact()
             if reply.command is not Command.CONTINUE and self.view.state is NodeState.RUNNING:
@@ -383,14 +466,18 @@ class ElasticAgent:
         return True
 
     def _call_master(self, call, what: str):
-        """A call the loop cannot go on without: retried until the master-unreachable timeout."""
-        delay = 0.1
+        """A call the loop cannot go on without: retried (backoff with jitter) until the master-unreachable
+        timeout. A 404 unknown_node raises :class:`_NodeUnknownError`, another rejection
+        :class:`AgentError`."""
+        retry = Backoff(0.1, 2.0)
         while True:
             try:
                 reply = call()
                 self._contact()
                 return reply
             except MasterRejectedError as exc:
+                if exc.code == "unknown_node":
+                    raise _NodeUnknownError(exc.message) from None
                 raise AgentError(
                     f"master rejected the {what}: {exc.message}",
                     EXIT_CONFIG if exc.status in (401, 409, 422) else EXIT_FAILED,
@@ -398,5 +485,4 @@ class ElasticAgent:
             except MasterUnreachableError as exc:
                 if time.monotonic() - self._last_contact > self.settings.master_timeout_s:
                     raise AgentError(str(exc)) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                time.sleep(retry.next())

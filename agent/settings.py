@@ -11,6 +11,9 @@ from master.settings import JobSettings
 DEFAULT_STOP_GRACE_S = 5.0
 #: How long healthy workers keep training while no master answers, before the agent gives up.
 DEFAULT_MASTER_TIMEOUT_S = 300.0
+#: A worker that has reported steps is hung after this long without a new one, or a worker process that
+#: is stopped or in disk sleep this long (agent.hang); 0 turns hang verdicts off.
+DEFAULT_HANG_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -30,9 +33,14 @@ class AgentSettings:
     role: str = "default"
     log_dir: pathlib.Path | None = None
     ckpt_dir: pathlib.Path | None = None
+    #: Checkpoints the keeper keeps in ckpt_dir (agent.ckpt_keeper).
+    ckpt_keep: int = 3
     stop_grace_s: float = DEFAULT_STOP_GRACE_S
     master_timeout_s: float = DEFAULT_MASTER_TIMEOUT_S
+    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     cwd: str | None = None
+    #: Fork restarted workers from a zygote that has imported torch (agent.warm); False: always exec.
+    warm_start: bool = True
 
     @property
     def standalone(self) -> bool:

@@ -8,9 +8,15 @@ rendezvous round; ``close()`` releases the group for good.
 Every worker leads its own process group (and session), so ``stop()`` can signal the worker together with
 its children. Orphans are prevented in three layers:
 
-1. ``stop()``: SIGTERM to each group and to every psutil descendant, a grace period, then SIGKILL;
+1. ``stop()``: SIGTERM (then SIGCONT, so that stopped ones act on it) to each group and to every psutil
+   descendant, a grace period, then SIGKILL;
 2. ``PR_SET_PDEATHSIG=SIGKILL`` in each worker: the kernel kills the worker when the agent dies;
 3. the :class:`~agent.reaper.Reaper` sentinel: kills the workers' whole process groups when the agent dies.
+
+How a worker process comes to be is a :class:`Launcher`'s job: :class:`ExecLauncher` (fork + exec with
+``subprocess``, always available) or :class:`agent.warm.WarmLauncher` (forked from a zygote that has already
+imported torch). With a warm launcher the group still falls back to exec, with one log line saying why,
+whenever the warm path cannot take a start.
 
 This module and its helpers import only the standard library and psutil — never torch — so the agent
 starts fast. Linux only (prctl).
@@ -33,7 +39,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import BinaryIO, Protocol, cast
 
 import psutil
 
@@ -59,6 +65,10 @@ _DESCENDANT_POLL_S = 0.02
 
 class WorkerGroupError(RuntimeError):
     """The worker group was used wrongly or could not spawn its workers."""
+
+
+class LauncherUnavailable(Exception):
+    """A launcher cannot start this worker now (before anything was started); the group uses exec instead."""
 
 
 @dataclass(frozen=True)
@@ -142,13 +152,74 @@ def signal_name(returncode: int) -> str | None:
         return f"SIG{-returncode}"
 
 
+class WorkerProcess(Protocol):
+    """A started worker as a launcher hands it to the group (``subprocess.Popen`` is one)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def stdout(self) -> BinaryIO | None: ...
+
+    @property
+    def stderr(self) -> BinaryIO | None: ...
+
+    def wait(self) -> int:
+        """Block until the process exited; its return code (negative: killed by that signal)."""
+        ...
+
+
+class Launcher:
+    """Creates worker processes for a :class:`WorkerGroup`.
+
+    ``launch`` must give the process exactly what the exec path gives: the environment ``env`` and nothing
+    else, ``argv``, working directory ``cwd`` (None: the agent's), stdin from /dev/null, stdout and stderr
+    as pipes to the agent, its own session (so its pid is its process group id), and death when the
+    agent dies. The group registers the pid with the reaper and watches it through ``wait()``.
+    """
+
+    #: Short name for logs ("exec", "warm").
+    name = "launcher"
+
+    def unavailable_reason(self, spec: "WorkerSpec") -> str | None:
+        """Why this launcher cannot start ``spec``'s workers now, or None when it can."""
+        return None
+
+    def launch(self, argv: list[str], env: dict[str, str], cwd: str | None) -> WorkerProcess:
+        """Start one worker. Raises OSError/ValueError/SubprocessError if the command cannot be started,
+        LauncherUnavailable if this launcher (not the command) failed before anything was started."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the launcher's resources; idempotent."""
+
+
+class ExecLauncher(Launcher):
+    """Today's path: ``subprocess.Popen`` (fork + exec) with a new session and PR_SET_PDEATHSIG."""
+
+    name = "exec"
+
+    def launch(self, argv: list[str], env: dict[str, str], cwd: str | None) -> WorkerProcess:
+        return subprocess.Popen(
+            argv,
+            env=env,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # own process group: stop() and the reaper kill it as a whole
+            preexec_fn=_make_child_setup(os.getpid()),
+            close_fds=True,
+        )
+
+
 @dataclass
 class _Worker:
     """Runtime state of one spawned worker."""
 
     local_rank: int
     global_rank: int
-    proc: "subprocess.Popen[bytes]"
+    proc: WorkerProcess
     error_file: Path
     stderr_tail: "deque[str]"
     readers: list[threading.Thread] = field(default_factory=list)
@@ -157,7 +228,7 @@ class _Worker:
 
     @property
     def pgid(self) -> int:
-        # start_new_session=True makes the worker the leader of a group with its own pid as id.
+        # Every launcher makes the worker the leader of a new session, so its group id is its own pid.
         return self.proc.pid
 
 
@@ -168,14 +239,21 @@ class WorkerGroup:
     which wakes a blocked ``wait_exit()``. ``start()`` must run on a long-lived thread, see there.
     """
 
-    def __init__(self, reaper: Reaper | None = None, error_dir: Path | None = None) -> None:
+    def __init__(
+        self, reaper: Reaper | None = None, error_dir: Path | None = None, launcher: Launcher | None = None
+    ) -> None:
         """Create an idle group.
 
         ``reaper``: the agent's sentinel; each worker's process group is registered with it (not owned:
         the caller closes it). ``error_dir``: root of the workers' error files; by default a temporary
-        folder that ``close()`` removes.
+        folder that ``close()`` removes. ``launcher``: how workers are started, by default
+        :class:`ExecLauncher`; another one (a :class:`~agent.warm.WarmLauncher`) is used whenever it can
+        take a start, exec otherwise. Not owned either: the caller closes it after the group.
         """
         self._reaper = reaper
+        self._exec = ExecLauncher()
+        self._launcher = launcher or self._exec
+        self._launched_by: str | None = None
         self._owns_error_dir = error_dir is None
         if error_dir is None:
             error_dir = Path(tempfile.mkdtemp(prefix="elastic-run-errors-"))
@@ -196,6 +274,12 @@ class WorkerGroup:
     def error_dir(self) -> Path:
         """Root folder of the workers' error files."""
         return self._error_dir
+
+    @property
+    def launched_by(self) -> str | None:
+        """Name of the launcher that started the last ``start()``'s workers ("exec", "warm", "warm+exec")."""
+        with self._lock:
+            return self._launched_by
 
     @property
     def pids(self) -> list[int]:
@@ -239,23 +323,44 @@ class WorkerGroup:
             self._stopping = False
             self._stopped = False
             self._on_exit = on_exit
-        preexec = _make_child_setup(os.getpid())
+            self._launched_by = None
+        launcher = self._launcher
+        if launcher is not self._exec:
+            reason = launcher.unavailable_reason(spec)
+            if reason is not None:
+                logger.info("%s start not used: %s; starting workers with exec", launcher.name, reason)
+                launcher = self._exec
+        used: list[str] = []
         for local_rank, (env, global_rank) in enumerate(zip(spec.envs, spec.global_ranks, strict=True)):
             try:
-                worker = self._spawn(spec, local_rank, global_rank, env, preexec)
+                try:
+                    worker = self._spawn(spec, local_rank, global_rank, env, launcher)
+                except LauncherUnavailable as e:
+                    logger.warning(
+                        "%s start of local rank %d failed (%s); starting workers with exec",
+                        launcher.name,
+                        local_rank,
+                        e,
+                    )
+                    launcher = self._exec
+                    worker = self._spawn(spec, local_rank, global_rank, env, launcher)
             except (OSError, ValueError, subprocess.SubprocessError) as e:
                 self._stop(grace_s=0.0)
                 raise WorkerGroupError(
                     f"cannot start worker local rank {local_rank} ({spec.argv[0]}): {e}"
                 ) from e
+            if launcher.name not in used:
+                used.append(launcher.name)
             with self._lock:
                 self._workers.append(worker)
                 self._pending += 1
+                self._launched_by = "+".join(used)
             worker.watcher = threading.Thread(
                 target=self._watch, args=(worker, events), name=f"worker-rank{global_rank}-wait", daemon=True
             )
             worker.watcher.start()
-        logger.info("started %d workers (attempt %s): pids %s", spec.nprocs, spec.attempt, self.pids)
+        how = "+".join(used)
+        logger.info("started %d workers (attempt %s, %s): pids %s", spec.nprocs, spec.attempt, how, self.pids)
 
     def wait_exit(self, timeout: float | None) -> WorkerExit | None:
         """Block until the next worker exits and return it; None on timeout.
@@ -324,6 +429,10 @@ class WorkerGroup:
         for w in workers:
             _signal_group(w.pgid, signal.SIGTERM)
         _signal_procs(descendants, signal.SIGTERM)
+        # A stopped worker (SIGSTOP, a hang verdict) acts on SIGTERM only once continued.
+        for w in workers:
+            _signal_group(w.pgid, signal.SIGCONT)
+        _signal_procs(descendants, signal.SIGCONT)
         for w in workers:
             if w.watcher is not None:
                 w.watcher.join(timeout=max(deadline - time.monotonic(), 0.0))
@@ -356,7 +465,10 @@ class WorkerGroup:
         logger.info("stopped %d workers", len(workers))
 
     def close(self) -> None:
-        """Stop the workers and remove the error folder if the group created it. Idempotent."""
+        """Stop the workers and remove the error folder if the group created it. Idempotent.
+
+        The launcher and the reaper are the caller's to close, after the group.
+        """
         with self._lifecycle:
             if self._closed:
                 return
@@ -377,23 +489,13 @@ class WorkerGroup:
         local_rank: int,
         global_rank: int,
         env: dict[str, str],
-        preexec: Callable[[], None] | None,
+        launcher: Launcher,
     ) -> _Worker:
         error_file = error_file_path(self._error_dir, spec.attempt, global_rank)
         prepare_error_file(error_file)
         log_files = _open_logs(spec, global_rank)
         try:
-            proc = subprocess.Popen(
-                spec.argv,
-                env={**env, ERROR_FILE_ENV: str(error_file)},
-                cwd=spec.cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # own process group: stop() and the reaper kill it as a whole
-                preexec_fn=preexec,
-                close_fds=True,
-            )
+            proc = launcher.launch(list(spec.argv), {**env, ERROR_FILE_ENV: str(error_file)}, spec.cwd)
         except BaseException:
             for log_file in log_files:
                 if log_file is not None:
@@ -408,7 +510,7 @@ class WorkerGroup:
             error_file=error_file,
             stderr_tail=deque(maxlen=STDERR_TAIL_LINES),
         )
-        # Both are pipes: PIPE was requested above.
+        # Both are pipes to the agent: every launcher guarantees it.
         stdout, stderr = cast(BinaryIO, proc.stdout), cast(BinaryIO, proc.stderr)
         worker.readers = [
             start_forwarder(stdout, global_rank=global_rank, stream="stdout", log_file=log_files[0]),

@@ -1,8 +1,8 @@
 """elastic: the library a training script imports, plus what master and agent share.
 
-The worker API (``init_process_group``, ``save``, ``load_latest``...) needs torch, but the agent and the
-master import ``elastic.protocol`` and must stay torch-free, so nothing here imports torch eagerly: the
-worker API is resolved on first attribute access (PEP 562 module ``__getattr__``)::
+The worker API (``init_process_group``, ``save``, ``load``, ``ElasticSampler``...) needs torch, but the
+agent and the master import ``elastic.protocol`` and must stay torch-free, so nothing here imports torch
+eagerly: the worker API is resolved on first attribute access (PEP 562 module ``__getattr__``)::
 
     import elastic                      # cheap, no torch
     elastic.init_process_group()        # imports elastic.distributed (and torch) now
@@ -15,33 +15,54 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# Progress reports are stdlib-only and cheap, so they are imported eagerly: ``elastic.report(step)`` is the
+# function (the name shadows the submodule ``elastic.report``; import its other names with ``from``).
+from elastic.report import report, report_checkpoint  # noqa: E402
+
 # Public name -> submodule that defines it. Everything listed here is imported on first use only.
 _LAZY_ATTRS: dict[str, str] = {
     "init_process_group": "distributed",
     "destroy_process_group": "distributed",
     "backend_for_device": "distributed",
     "save": "checkpoint",
+    "load": "checkpoint",
     "load_latest": "checkpoint",
     "CheckpointError": "checkpoint",
+    "save_sharded": "sharded",
+    "load_sharded": "sharded",
+    "ElasticSampler": "sampler",
+    "track_ddp": "ddp_timing",
 }
-_LAZY_SUBMODULES = frozenset({"distributed", "checkpoint"})
+_LAZY_SUBMODULES = frozenset({"distributed", "checkpoint", "sharded", "sampler"})
 
 __all__ = [
     "CheckpointError",
+    "ElasticSampler",
     "__version__",
     "backend_for_device",
     "checkpoint",
     "destroy_process_group",
     "distributed",
     "init_process_group",
+    "load",
     "load_latest",
+    "load_sharded",
+    "report",
+    "report_checkpoint",
+    "sampler",
     "save",
+    "save_sharded",
+    "sharded",
+    "track_ddp",
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time these resolve lazily
-    from elastic import checkpoint, distributed
-    from elastic.checkpoint import CheckpointError, load_latest, save
+    from elastic import checkpoint, distributed, sampler, sharded
+    from elastic.checkpoint import CheckpointError, load, load_latest, save
+    from elastic.ddp_timing import track_ddp
     from elastic.distributed import backend_for_device, destroy_process_group, init_process_group
+    from elastic.sampler import ElasticSampler
+    from elastic.sharded import load_sharded, save_sharded
 
 
 def __getattr__(name: str) -> Any:

@@ -1,49 +1,60 @@
-"""Checkpoints for data-parallel training: :func:`save` and :func:`load_latest`.
+"""Checkpoints of data-parallel (replicated) training: :func:`save`, :func:`load`, :func:`load_latest`.
 
-v0 writes straight to disk. A save is atomic: the state goes to a temporary file that is flushed,
-fsynced and renamed to ``step_<step:010d>.pt``; then a ``latest`` marker naming that file is replaced
-the same way. A reader therefore sees either the previous checkpoint or the new one, never a torn file.
-The directory keeps the newest ``keep`` checkpoints.
+Under elastic-run, :func:`save` is a *flash* save: it writes the state into the shared-memory folder
+that the node's agent owns (``ELASTIC_SHM_DIR``, in ``/dev/shm``) and returns; no disk I/O happens in
+the worker. The file is written under a temp name and renamed when complete (the rename is the commit),
+so a worker killed mid-save never leaves a torn checkpoint visible, and a worker killed right after a
+save leaves that save behind in the agent's memory. The agent persists it to ``ckpt_dir`` (default
+its ``--ckpt-dir``) in the background (see ``agent/ckpt_keeper.py``). Memory keeps the last
+:data:`MEMORY_KEEP` saves.
 
-Layout of ``ckpt_dir``::
+The state of data-parallel training is the same on every rank, so on each node only local rank 0
+writes it to memory (every node then holds a copy), and only the node with ``GROUP_RANK`` 0 asks the
+agent to persist it (one writer on a shared file system). The other ranks only report the step.
 
-    step_0000000010.pt   {"step": 10, "state": <the dict given to save>}
-    step_0000000020.pt
-    latest               "step_0000000020.pt"
+Without an agent (plain torchrun, or no launcher), :func:`save` falls back to an atomic disk save by
+global rank 0 into ``ckpt_dir`` (temp file, fsync, rename, then the ``latest`` marker), keeping the
+newest ``keep``. Both use the layout of :mod:`elastic.ckpt_layout`.
 
-One writer per directory is assumed (global rank 0 of one job), so a ``*.tmp`` file found there is the
-leftover of a save that was killed midway; readers ignore it and the next save removes it.
-
-The API (``save(state, step)`` / ``load_latest() -> (state, step)``) is meant to outlive this
-implementation: a later version copies the state to agent-owned shared memory and persists it in the
-background, behind the same calls.
+:func:`load` restores the same step on every rank: the newest step that *every* rank can load, memory
+first, then disk, agreed through the process group. It never restores a mix of steps.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import pickle
-import re
-import secrets
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
+from elastic import ckpt_layout as layout
+from elastic.report import report, report_checkpoint
+
 CKPT_DIR_ENV = "ELASTIC_CKPT_DIR"
-LATEST_MARKER = "latest"
-_STEP_FILE = re.compile(r"^step_(\d{10,})\.pt$")
-_TMP_SUFFIX = ".tmp"
+SHM_DIR_ENV = "ELASTIC_SHM_DIR"
+COMMITTED_STEP_ENV = "ELASTIC_COMMITTED_STEP"
+LATEST_MARKER = layout.LATEST_MARKER
+#: Flash saves kept in shared memory per node: the newest and the one before it.
+MEMORY_KEEP = 2
+# torch.save's headers, pickled metadata and per-record alignment on top of the tensor bytes.
+_SIZE_SLACK_BYTES = 1 << 20
+_PER_TENSOR_SLACK_BYTES = 4096
 
 log = logging.getLogger(__name__)
+_warned_memory_only = False
 
 
 class CheckpointError(Exception):
-    """Checkpoint files exist but none of them can be loaded."""
+    """No checkpoint can be saved (shared memory too small) or loaded (files exist, none loads)."""
 
 
+# -- helpers ------------------------------------------------------------------------------------------
 def _resolve_dir(ckpt_dir: str | os.PathLike[str] | None) -> Path:
     if ckpt_dir is None:
         ckpt_dir = os.environ.get(CKPT_DIR_ENV) or None
@@ -54,67 +65,129 @@ def _resolve_dir(ckpt_dir: str | os.PathLike[str] | None) -> Path:
     return Path(ckpt_dir)
 
 
-def _resolve_rank(rank: int | None) -> int:
-    if rank is not None:
-        return rank
-    raw = os.environ.get("RANK", "0")
+def _env_int(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"RANK must be an integer, got {raw!r}") from None
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
-def _step_file_name(step: int) -> str:
-    return f"step_{step:010d}.pt"
+def _resolve_rank(rank: int | None) -> int:
+    return rank if rank is not None else _env_int("RANK", 0)  # type: ignore[return-value]
 
 
-def _fsync_dir(path: Path) -> None:
-    # A rename is durable only once the directory entry itself reaches the disk.
-    fd = os.open(path, os.O_RDONLY)
+def _check_args(state: Any, step: Any) -> None:
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict, got {type(state).__name__}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+
+
+def flash_enabled() -> bool:
+    """True under elastic-run: :func:`save` writes to the agent's shared memory."""
+    return bool(os.environ.get(SHM_DIR_ENV))
+
+
+@contextlib.contextmanager
+def _without_crc32() -> Iterator[None]:
+    # torch.save's per-record CRC32 costs more than the copy itself (about 2x on a 1 GB state). The file
+    # is committed by rename only when whole, so a checksum adds no protection against torn files.
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    set_ = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or set_ is None:
+        yield
+        return
+    previous = get()
+    set_(False)
     try:
-        os.fsync(fd)
+        yield
     finally:
-        os.close(fd)
+        set_(previous)
 
 
-def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write through ``write(fileobj)`` to a temp file next to ``path``, fsync it, rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{_TMP_SUFFIX}")
-    # os.open rather than tempfile.mkstemp: mkstemp makes files 0600, these should follow the umask.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+def estimated_size(state: Any) -> int:
+    """Bytes a torch.save of ``state`` takes, about: its tensors' storages plus headers."""
+    seen: set[tuple[str, int]] = set()
+    total = _SIZE_SLACK_BYTES
+
+    def walk(obj: Any) -> None:
+        nonlocal total
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            key = (str(obj.device), storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes() + _PER_TENSOR_SLACK_BYTES
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                walk(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                walk(value)
+
+    walk(state)
+    return total
 
 
-def _checkpoint_files(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoint files in the directory as (step, path), newest first."""
-    found = []
-    for entry in ckpt_dir.iterdir():
-        match = _STEP_FILE.match(entry.name)
-        if match and entry.is_file():
-            found.append((int(match.group(1)), entry))
-    found.sort(reverse=True)
-    return found
+def _free_bytes(directory: Path) -> int:
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
 
 
-def _prune(ckpt_dir: Path, current: Path, keep: int) -> None:
-    """Keep ``current`` and the newest ``keep - 1`` other checkpoints; drop leftover temp files."""
-    others = [path for _, path in _checkpoint_files(ckpt_dir) if path != current]
-    for path in others[keep - 1 :]:
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def _space_error(step: int, directory: Path, need: int, free: int) -> CheckpointError:
+    return CheckpointError(
+        f"not enough shared memory for the checkpoint of step {step}: it needs about {_mib(need)} in "
+        f"{directory}, only {_mib(free)} is available. Enlarge /dev/shm (docker run --shm-size, or a "
+        "Kubernetes emptyDir with medium: Memory and a sizeLimit) to at least "
+        f"{MEMORY_KEEP + 1} times the checkpoint size"
+    )
+
+
+def _ensure_space(directory: Path, step: int, need: int) -> None:
+    """Make room for a checkpoint of ``need`` bytes, or raise a CheckpointError naming the sizes.
+
+    When space is short, memory gives up the older of its two saves first (the newest is kept: it is
+    what a crash during this save falls back to).
+    """
+    free = _free_bytes(directory)
+    if free >= need:
+        return
+    for _, path in layout.checkpoint_files(directory)[1:]:
         path.unlink(missing_ok=True)
-    for entry in ckpt_dir.iterdir():
-        if entry.name.endswith(_TMP_SUFFIX) and entry.name.startswith((".step_", f".{LATEST_MARKER}.")):
-            entry.unlink(missing_ok=True)
+    free = _free_bytes(directory)
+    if free < need:
+        raise _space_error(step, directory, need, free)
 
 
+def _write_memory_checkpoint(state: dict[str, Any], step: int, directory: Path) -> Path:
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"the agent's shared-memory folder {directory} ({SHM_DIR_ENV}) does not exist; "
+            "is the elastic-run agent of this worker still running?"
+        )
+    need = estimated_size(state)
+    _ensure_space(directory, step, need)
+    final = directory / layout.step_file_name(step)
+    try:
+        with _without_crc32():
+            # No fsync: the folder is in memory. Only the rename makes the checkpoint visible.
+            layout.atomic_write(final, lambda f: torch.save({"step": step, "state": state}, f), durable=False)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise _space_error(step, directory, need, _free_bytes(directory)) from exc
+        raise
+    layout.prune(directory, final, MEMORY_KEEP)
+    return final
+
+
+# -- save -------------------------------------------------------------------------------------------
 def save(
     state: dict[str, Any],
     step: int,
@@ -122,47 +195,93 @@ def save(
     *,
     keep: int = 3,
     rank: int | None = None,
+    persist: bool = True,
 ) -> Path | None:
-    """Save ``state`` as the checkpoint of ``step``, atomically.
+    """Save ``state`` as the checkpoint of ``step``.
 
-    The state of data-parallel training is the same on every rank, so only global rank 0 writes; the
-    other ranks return at once. Call it on every rank all the same: later versions may need them.
+    Call it on every rank with the same (replicated) state.
+
+    Under elastic-run (``ELASTIC_SHM_DIR`` set) the save is a flash save: local rank 0 of each node
+    writes the state into the agent's shared memory and every rank reports the step to its agent; the
+    call returns without disk I/O. With ``persist`` (the default) the agent of node rank 0 then copies
+    it to ``ckpt_dir`` (default ``ELASTIC_CKPT_DIR``, i.e. elastic-run's ``--ckpt-dir``) in the
+    background, keeping elastic-run's ``--ckpt-keep``; ``persist=False`` keeps this save in memory only
+    (e.g. save to memory every step, persist every N steps). ``keep`` and ``rank`` are not used then.
+
+    Without an agent, global rank 0 writes the checkpoint to ``ckpt_dir`` atomically (temp file, fsync,
+    rename, then the ``latest`` marker) and keeps the newest ``keep``; the other ranks return at once.
 
     Args:
         state: what to restore later, e.g. ``{"model": m.state_dict(), "optimizer": o.state_dict()}``.
-            Keep to tensors, numbers, strings, None and containers of them: :func:`load_latest` loads
-            with ``weights_only=True``.
+            Keep to tensors, numbers, strings, None and containers of them: loading uses
+            ``weights_only=True``.
         step: training steps completed; names the file, and the newest step is what is resumed.
-        ckpt_dir: directory (created if needed); default the ``ELASTIC_CKPT_DIR`` environment variable.
-        keep: how many checkpoints to keep, this one included (>= 1).
+        ckpt_dir: directory of disk saves (created if needed); default ``ELASTIC_CKPT_DIR``.
+        keep: disk saves to keep, this one included (>= 1).
         rank: global rank of the caller; default the ``RANK`` environment variable, else 0.
+        persist: under elastic-run, also persist this save to disk in the background.
 
     Returns:
-        The path written on rank 0, ``None`` on the other ranks.
+        The file written (in shared memory or on disk) on the rank that wrote it, else ``None``.
 
     Raises:
-        ValueError: no directory configured, or a negative ``step``, or ``keep < 1``.
+        ValueError: no directory configured (disk mode), a negative ``step``, or ``keep < 1``.
         TypeError: ``state`` is not a dict.
+        CheckpointError: the shared-memory folder is too small for the state (the message names the
+            size needed and the size available) or is gone.
     """
-    directory = _resolve_dir(ckpt_dir)
-    if not isinstance(state, dict):
-        raise TypeError(f"state must be a dict, got {type(state).__name__}")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    _check_args(state, step)
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
-    if _resolve_rank(rank) != 0:
-        return None
+    shm_dir = os.environ.get(SHM_DIR_ENV)
+    if shm_dir:
+        return _flash_save(state, step, Path(shm_dir), ckpt_dir, persist)
+    return _disk_save(state, step, _resolve_dir(ckpt_dir), keep, _resolve_rank(rank))
 
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / _step_file_name(step)
-    _atomic_write(path, lambda f: torch.save({"step": step, "state": state}, f))
-    # The marker moves only after the checkpoint it names is durable.
-    _atomic_write(directory / LATEST_MARKER, lambda f: f.write(path.name.encode()))
-    _prune(directory, path, keep)
+
+def _flash_save(
+    state: dict[str, Any],
+    step: int,
+    shm_dir: Path,
+    ckpt_dir: str | os.PathLike[str] | None,
+    persist: bool,
+) -> Path | None:
+    global _warned_memory_only
+    path = None
+    if _env_int("LOCAL_RANK", 0) == 0:
+        path = _write_memory_checkpoint(state, step, shm_dir)
+    # A location asks the agent to persist the file: only one node does, the others keep memory copies.
+    location = persist_to = ""
+    if path is not None and persist and _env_int("GROUP_RANK", 0) == 0:
+        folder = ckpt_dir if ckpt_dir is not None else os.environ.get(CKPT_DIR_ENV) or None
+        if folder is not None:
+            # Absolute: the agent's working directory need not be the worker's.
+            location, persist_to = str(path), str(Path(folder).resolve())
+        elif not _warned_memory_only:
+            _warned_memory_only = True
+            log.warning(
+                "elastic.save: no checkpoint folder (ckpt_dir, or elastic-run --ckpt-dir): checkpoints "
+                "stay in shared memory only and do not survive the node"
+            )
+    report_checkpoint(step, location, persist_to)
     return path
 
 
+def _disk_save(state: dict[str, Any], step: int, directory: Path, keep: int, rank: int) -> Path | None:
+    path = None
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / layout.step_file_name(step)
+        layout.atomic_write(path, lambda f: torch.save({"step": step, "state": state}, f))
+        # The marker moves only after the checkpoint it names is durable.
+        layout.write_marker(directory, path)
+        layout.prune(directory, path, keep)
+        layout.remove_temp_files(directory)
+    report_checkpoint(step)  # a no-op without an agent
+    return path
+
+
+# -- load -------------------------------------------------------------------------------------------
 def _load_file(path: Path, map_location: Any) -> tuple[dict[str, Any], int]:
     # weights_only=True: unpickling may only rebuild tensors, primitives and containers, never run code,
     # so a checkpoint directory on a shared filesystem cannot be used to execute code in the job. Model
@@ -178,23 +297,30 @@ def _load_file(path: Path, map_location: Any) -> tuple[dict[str, Any], int]:
     return payload["state"], payload["step"]
 
 
-def _read_marker(directory: Path) -> Path | None:
-    try:
-        name = (directory / LATEST_MARKER).read_text().strip()
-    except (FileNotFoundError, UnicodeDecodeError):
-        return None
-    # Only ever a file name of ours: a marker cannot point outside the directory.
-    return directory / name if _STEP_FILE.match(name) else None
+# What torch.load raises on a damaged file (the legacy unpickler alone can raise most of these).
+_LOAD_ERRORS = (
+    OSError,
+    EOFError,
+    RuntimeError,
+    ValueError,
+    IndexError,
+    KeyError,
+    TypeError,
+    AttributeError,
+    pickle.UnpicklingError,
+    CheckpointError,
+)
 
 
 def load_latest(
     ckpt_dir: str | os.PathLike[str] | None = None, *, map_location: Any = "cpu"
 ) -> tuple[dict[str, Any], int] | None:
-    """Load the newest complete checkpoint.
+    """Load the newest complete checkpoint of one disk folder, on this rank alone.
 
     Tries the file named by the ``latest`` marker first, then the ``step_*.pt`` files newest first, so a
     missing marker, or one naming a missing or unreadable file, falls back to the next good checkpoint.
-    Temp files of unfinished saves are never read.
+    Temp files of unfinished saves are never read. For a restore that all ranks agree on, with the
+    agent's shared memory first, use :func:`load`.
 
     Args:
         ckpt_dir: directory; default the ``ELASTIC_CKPT_DIR`` environment variable.
@@ -211,18 +337,160 @@ def load_latest(
     if not directory.is_dir():
         return None
     candidates: list[Path] = []
-    marked = _read_marker(directory)
+    marked = layout.read_marker(directory)
     if marked is not None and marked.is_file():
         candidates.append(marked)
-    candidates += [path for _, path in _checkpoint_files(directory) if path != marked]
+    candidates += [path for _, path in layout.checkpoint_files(directory) if path != marked]
 
     errors = []
     for path in candidates:
         try:
             return _load_file(path, map_location)
-        except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError, CheckpointError) as exc:
+        except _LOAD_ERRORS as exc:
             log.warning("skipping unreadable checkpoint %s: %s", path, exc)
             errors.append(f"{path.name}: {exc}")
     if errors:
         raise CheckpointError(f"no loadable checkpoint in {directory}; tried " + "; ".join(errors))
     return None
+
+
+def _local_copies(ckpt_dir: str | os.PathLike[str] | None) -> dict[int, list[Path]]:
+    """Checkpoint files this rank can read, by step: the shared-memory copy first, then the disk one."""
+    copies: dict[int, list[Path]] = {}
+    folders = []
+    if os.environ.get(SHM_DIR_ENV):
+        folders.append(Path(os.environ[SHM_DIR_ENV]))
+    disk = ckpt_dir if ckpt_dir is not None else os.environ.get(CKPT_DIR_ENV) or None
+    if disk is not None:
+        folders.append(Path(disk))
+    for folder in folders:
+        for step, path in layout.checkpoint_files(folder):
+            copies.setdefault(step, []).append(path)
+    return copies
+
+
+def _try_load(paths: list[Path], map_location: Any, errors: list[str]) -> tuple[dict[str, Any], Path] | None:
+    for path in paths:
+        try:
+            state, _ = _load_file(path, map_location)
+            return state, path
+        except _LOAD_ERRORS as exc:
+            log.warning("skipping unreadable checkpoint %s: %s", path, exc)
+            errors.append(f"{path}: {exc}")
+    return None
+
+
+def _process_group_world() -> int:
+    """World size of the default process group, or 0 when none is initialized."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 0
+
+
+def _agreed(local: list[int], world: int) -> set[int]:
+    """Steps every rank holds (a collective when a process group of more than one rank exists)."""
+    if world <= 1:
+        return set(local)
+    gathered: list[list[int] | None] = [None] * world
+    torch.distributed.all_gather_object(gathered, local)
+    common = set(local)
+    for steps in gathered:
+        common &= set(steps or [])
+    return common
+
+
+def _all_true(flag: bool, world: int) -> bool:
+    if world <= 1:
+        return flag
+    gathered: list[bool | None] = [None] * world
+    torch.distributed.all_gather_object(gathered, flag)
+    return all(gathered)
+
+
+def load(
+    ckpt_dir: str | os.PathLike[str] | None = None, *, map_location: Any = "cpu", step: int | None = None
+) -> tuple[dict[str, Any], int] | None:
+    """Restore the same checkpoint on every rank: the newest step that every rank can load.
+
+    Each rank lists the steps it can read, memory first (the agent's shared memory, ``ELASTIC_SHM_DIR``)
+    then disk (``ckpt_dir``, default ``ELASTIC_CKPT_DIR``). With a process group of more than one rank,
+    the ranks exchange their lists and restore the newest step common to all; should a file fail to
+    load on some rank, that rank drops the step and the ranks agree again, so the ranks never restore
+    different steps. Call it on every rank, after :func:`elastic.init_process_group`.
+
+    The step the job master recorded as committed by all nodes (``ELASTIC_COMMITTED_STEP``, set by
+    elastic-run) is never newer than the newest common step while its copies exist, so it is what is
+    restored unless a newer save reached every rank after the master last heard of it. Without a process
+    group in a multi-rank world (no collective to agree with), the committed step is the agreement.
+
+    Args:
+        ckpt_dir: disk folder; default ``ELASTIC_CKPT_DIR`` (none: memory only).
+        map_location: passed to :func:`torch.load`; default loads tensors to CPU.
+        step: restore exactly this step (every rank must be able to load it).
+
+    Returns:
+        ``(state, step)`` as given to :func:`save`, or ``None`` when no step is held by every rank
+        (a fresh start).
+
+    Raises:
+        CheckpointError: ``step`` was given but is not loadable by every rank; or in a multi-rank world
+            without a process group, checkpoints exist but no committed step says which to restore.
+    """
+    copies = _local_copies(ckpt_dir)
+    world = _process_group_world()
+    committed = _env_int(COMMITTED_STEP_ENV, None)
+    wanted = step
+    if wanted is None and world == 0 and (_env_int("WORLD_SIZE", 1) or 1) > 1 and copies:
+        if committed is None:
+            raise CheckpointError(
+                "cannot agree on a checkpoint step without a process group: call "
+                "elastic.init_process_group() before elastic.load()"
+            )
+        wanted = committed
+    errors: list[str] = []
+    excluded: set[int] = set()
+    while True:
+        common = _agreed(sorted(set(copies) - excluded), world)
+        if wanted is not None and wanted not in common:
+            raise CheckpointError(f"checkpoint step {wanted} is not loadable by every rank")
+        if not common:
+            if copies:
+                log.warning(
+                    "no checkpoint step is loadable by every rank (this rank holds %s); starting fresh",
+                    sorted(copies),
+                )
+            return None
+        chosen = wanted if wanted is not None else max(common)
+        loaded = _try_load(copies[chosen], map_location, errors)
+        everyone = _all_true(loaded is not None, world)  # a collective: every rank takes part
+        if everyone and loaded is not None:
+            state, path = loaded
+            break
+        if wanted is not None:
+            raise CheckpointError(
+                f"checkpoint step {wanted} cannot be loaded by every rank; here: {'; '.join(errors) or 'ok'}"
+            )
+        if loaded is None:
+            excluded.add(chosen)  # the ranks agree again without this rank's broken step
+    if committed is not None and chosen < committed:
+        log.warning(
+            "restoring step %d, older than the committed step %d: not every rank holds a copy of it",
+            chosen,
+            committed,
+        )
+    _forget_newer_memory(chosen)
+    log.info("restored the checkpoint of step %d from %s", chosen, path)
+    report(chosen)
+    report_checkpoint(chosen)
+    return state, chosen
+
+
+def _forget_newer_memory(step: int) -> None:
+    """Drop memory saves newer than the restored step: they belong to the run that is rolled back."""
+    shm_dir = os.environ.get(SHM_DIR_ENV)
+    if not shm_dir or _env_int("LOCAL_RANK", 0) != 0:
+        return
+    for newer, path in layout.checkpoint_files(Path(shm_dir)):
+        if newer > step:
+            path.unlink(missing_ok=True)

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from elastic.report import report_done
+
 #: Variables the launcher must set; without them the script was not started by elastic-run/torchrun.
 REQUIRED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 PG_TIMEOUT_ENV = "ELASTIC_PG_TIMEOUT_S"
@@ -88,6 +90,11 @@ def init_process_group(backend: str | None = None, timeout: datetime.timedelta |
 
 
 def destroy_process_group() -> None:
-    """Tear down the default process group; does nothing when none was initialized."""
+    """Tear down the default process group; does nothing when none was initialized.
+
+    Also tells the agent that this worker's training is over (:func:`elastic.report.report_done`), so
+    that the teardown is not judged as a hang for lack of steps.
+    """
+    report_done()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

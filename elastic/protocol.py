@@ -43,6 +43,7 @@ class Command(str, Enum):
     CONTINUE = "continue"  # keep the workers running
     REJOIN = "rejoin"  # stop the workers and join the next round
     STOP = "stop"  # the job is over: stop the workers and exit with ``exit_code``
+    EXCLUDE = "exclude"  # this node is excluded (node check): stop, exit with ``outcome`` (the job goes on)
 
 
 class WorkerFailure(_Model):
@@ -62,6 +63,28 @@ class WorkerProgress(_Model):
     status: str = "running"
     step: int | None = None
     step_time_s: float | None = None
+    compute_time_s: float | None = Field(
+        default=None,
+        description="Median time per step outside the wait for other ranks' gradients (elastic.track_ddp).",
+    )
+
+
+class NodeCheckResult(_Model):
+    """Figures of one node's health check (``python -m elastic.node_check``), as its agent reports them."""
+
+    ok: bool
+    stage: str = Field(
+        default="",
+        max_length=32,
+        description="Where the check failed: setup | init | pairing | matmul | allreduce | crash | timeout.",
+    )
+    error: str = Field(default="", max_length=2000)
+    device: str = Field(default="", max_length=64)
+    matmul_s: float | None = Field(default=None, description="Best time of one matmul on the local device.")
+    allreduce_s: float | None = Field(
+        default=None, description="Best time of one allreduce with the partner."
+    )
+    partner: int | None = Field(default=None, description="Node rank of the allreduce partner.")
 
 
 class JoinRequest(_Model):
@@ -98,6 +121,10 @@ class Assignment(_Model):
     committed_step: int | None = Field(
         default=None, description="Newest checkpoint step that every rank holds; workers restore it."
     )
+    check: bool = Field(
+        default=False,
+        description="A node-check round: run one `python -m elastic.node_check` per node (world = nodes).",
+    )
 
 
 class Outcome(_Model):
@@ -124,6 +151,7 @@ class HeartbeatRequest(_Model):
     workers: list[WorkerProgress] = Field(default_factory=list, max_length=4096)
     failure: WorkerFailure | None = None
     ckpt_step: int | None = Field(default=None, description="Newest step all local ranks have checkpointed.")
+    node_check: NodeCheckResult | None = Field(default=None, description="Result of this node's check.")
 
 
 class CommandReply(_Model):
@@ -151,6 +179,7 @@ class JobInfo(_Model):
     heartbeat_timeout_s: float
     last_call_s: float
     join_timeout_s: float
+    node_check: str = "off"
 
 
 class NodeStatus(_Model):
@@ -164,7 +193,10 @@ class NodeStatus(_Model):
     nproc: int
     step: int | None = None
     step_time_s: float | None = None
+    compute_time_s: float | None = None
     straggler: bool = False
+    node_check: NodeCheckResult | None = None
+    node_check_verdict: str = Field(default="", description="ok | slow: ... | failed: ... (and excluded)")
 
 
 class JobStatus(_Model):

@@ -3,24 +3,74 @@
 The agent listens on a Unix datagram socket named by ``ELASTIC_AGENT_SOCKET``. A report is one small
 JSON datagram, sent without blocking; if the agent is not listening (e.g. the script runs under plain
 torchrun) reports are silently dropped, so calling :func:`report` is always safe and cheap.
+
+Stack dumps for hang verdicts: the first report arms ``faulthandler`` on SIGUSR1 (all threads), writing
+to the file the agent names in ``ELASTIC_STACK_FILE``; before the agent kills a hung worker it sends
+SIGUSR1 (then SIGCONT, so that a stopped worker can write it). Nothing is armed without that variable,
+or when the script has its own SIGUSR1 handler.
+
+Compute time for the straggler report: with :func:`elastic.track_ddp`, DDP's gradient all-reduce adds
+the time it waited for other ranks (:func:`add_comm_wait`), and a step report also carries the step's
+time minus that wait (``b``, seconds per step).
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
+import signal
 import socket
+import threading
 import time
 
 SOCKET_ENV = "ELASTIC_AGENT_SOCKET"
+#: Per-worker file for the faulthandler stack dump (set by the agent).
+STACK_FILE_ENV = "ELASTIC_STACK_FILE"
+#: The signal that makes an armed worker write its Python stack (all threads) to its stack file.
+STACK_SIGNAL = signal.SIGUSR1
 
 _sock: socket.socket | None = None
 _path: str | None = None
+_armed = False
+_stack_file = None  # kept open for the process's life: faulthandler writes to its descriptor
+
+_lock = threading.Lock()
+_comm_wait_s = 0.0  # all-reduce wait since the last step report (elastic.track_ddp)
+_tracking = False
+_last: tuple[int, float] | None = None  # (step, time.monotonic()) of the last step report
+
+
+def _arm_stack_dump() -> None:
+    """Register faulthandler on SIGUSR1 once, if the agent asked for it and the signal is free."""
+    global _armed, _stack_file
+    _armed = True
+    path = os.environ.get(STACK_FILE_ENV)
+    if not path or not hasattr(faulthandler, "register"):
+        return
+    if signal.getsignal(STACK_SIGNAL) not in (signal.SIG_DFL, None):
+        return  # the script handles SIGUSR1 itself; the agent then sends nothing
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        _stack_file = open(path, "w")  # noqa: SIM115 - must stay open for faulthandler
+        faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+    except (OSError, ValueError, RuntimeError):
+        _stack_file = None  # no dump then; reporting progress must never fail
+
+
+def add_comm_wait(seconds: float) -> None:
+    """Add time that a collective waited for other ranks to the current step (see elastic.track_ddp)."""
+    global _comm_wait_s, _tracking
+    with _lock:
+        _comm_wait_s += max(0.0, seconds)
+        _tracking = True
 
 
 def _send(message: dict) -> None:
     global _sock, _path
+    if not _armed:
+        _arm_stack_dump()
     path = os.environ.get(SOCKET_ENV)
     if not path:
         return
@@ -37,9 +87,30 @@ def _send(message: dict) -> None:
 
 def report(step: int) -> None:
     """Tell the agent this worker completed training step ``step`` (feeds hang and straggler checks)."""
-    _send({"k": "step", "step": int(step)})
+    global _comm_wait_s, _last
+    step = int(step)
+    message: dict = {"k": "step", "step": step}
+    now = time.monotonic()
+    with _lock:
+        if _last is None or step > _last[0]:
+            if _tracking and _last is not None:
+                message["b"] = max(0.0, now - _last[1] - _comm_wait_s) / (step - _last[0])
+            _comm_wait_s, _last = 0.0, (step, now)
+    _send(message)
 
 
-def report_checkpoint(step: int, location: str = "") -> None:
-    """Tell the agent this worker holds a complete checkpoint of ``step`` (feeds the committed step)."""
-    _send({"k": "ckpt", "step": int(step), "loc": location})
+def report_done() -> None:
+    """Tell the agent this worker's training is over (its teardown follows): from now on it is not judged
+    on step progress. Called by :func:`elastic.destroy_process_group`."""
+    _send({"k": "done", "step": _last[0] if _last is not None else 0})
+
+
+def report_checkpoint(step: int, location: str = "", persist_to: str = "") -> None:
+    """Tell the agent this worker holds a complete checkpoint of ``step`` (feeds the committed step).
+
+    ``location``: the checkpoint file in the agent's shared memory, when the agent should persist it;
+    ``persist_to``: the folder to persist it to (default: the agent's ``--ckpt-dir``)."""
+    message = {"k": "ckpt", "step": int(step), "loc": location}
+    if persist_to:
+        message["dir"] = persist_to
+    _send(message)

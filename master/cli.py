@@ -79,6 +79,30 @@ def _resolve_token(token_file: str | None) -> str:
     help="Job-wide restarts after worker failures (membership changes are free).",
 )
 @click.option(
+    "--straggler-factor",
+    type=click.FloatRange(min=1, min_open=True),
+    default=ms.DEFAULT_STRAGGLER_FACTOR,
+    show_default=True,
+    help="Flag a node whose step time is more than this many times the nodes' median (status, events).",
+)
+@click.option(
+    "--node-check",
+    type=click.Choice(ms.NODE_CHECK_MODES),
+    default="off",
+    show_default=True,
+    is_flag=False,
+    flag_value="on",
+    help="Before the first round, check every node (matmul, allreduce in pairs): 'on' (or no value) "
+    "excludes failed or slow nodes, 'warn' only reports them.",
+)
+@click.option(
+    "--node-check-factor",
+    type=click.FloatRange(min=1, min_open=True),
+    default=ms.DEFAULT_NODE_CHECK_FACTOR,
+    show_default=True,
+    help="A node whose check figures exceed this many times the nodes' median counts as slow.",
+)
+@click.option(
     "--token-file",
     type=click.Path(dir_okay=False),
     default=None,
@@ -116,6 +140,9 @@ def cli(ctx: click.Context, **opts) -> None:
             heartbeat_interval_s=opts["heartbeat_interval"],
             heartbeat_timeout_s=opts["heartbeat_timeout"],
             max_restarts=opts["max_restarts"],
+            straggler_factor=opts["straggler_factor"],
+            node_check=opts["node_check"],
+            node_check_factor=opts["node_check_factor"],
         )
     except ms.SettingsError as exc:
         raise click.UsageError(str(exc)) from None
@@ -150,7 +177,8 @@ def cli(ctx: click.Context, **opts) -> None:
 @click.option("--token-file", type=click.Path(dir_okay=False), default=None, help="Bearer token file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON status.")
 def status(master: str, job_id: str, token_file: str | None, as_json: bool) -> None:
-    """Print the job's nodes: id, rank, state, heartbeat age, restarts, round, world size."""
+    """Print the job's nodes: id, rank, state, heartbeat age, restarts, round, world size, step time and
+    flags (straggler, node-check verdict), then the node-check figures when the job ran a check."""
     from agent.client import MasterClient, MasterError, parse_addresses
     from elastic.auth import derived_token
     from master.status_view import render_status

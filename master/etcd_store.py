@@ -101,6 +101,8 @@ class EtcdStore(StateStore):
         self._lease_id: int | None = None
         self._leader_revision: int | None = None
         self._keepalive: asyncio.Task | None = None
+        #: Monotonic time when this term must be treated as over unless the lease was renewed (see leading).
+        self._valid_until = 0.0
         self._on_lost: Callable[[], Awaitable[None] | None] | None = None
         self._lost_fired = True
         #: Leases of former terms that could not be revoked yet (etcd was unreachable).
@@ -241,6 +243,7 @@ class EtcdStore(StateStore):
     ) -> None:
         self._candidate, self._lease_id, self._leader_revision = candidate, lease_id, revision
         self._on_lost, self._lost_fired = on_lost, False
+        self._valid_until = granted_at + 2.0 * max(1, ttl) / 3.0  # the keep-alive's step-down deadline
         self._keepalive = asyncio.create_task(
             self._keep_alive(lease_id, max(1, ttl), granted_at), name=f"etcd-lease-{self.job_id}"
         )
@@ -267,6 +270,7 @@ class EtcdStore(StateStore):
                 if holder is None or holder.create_revision != self._leader_revision:
                     return await self._lose("its leader key in etcd was deleted or replaced")
                 renewed_at = sent
+                self._valid_until = renewed_at + 2.0 * period
             except asyncio.CancelledError:
                 raise
             except (aetcd.ClientError, *_TRANSIENT) as exc:
@@ -331,7 +335,11 @@ class EtcdStore(StateStore):
 
     @property
     def leading(self) -> bool:
-        return self._lease_id is not None and not self._lost_fired
+        """True while this master holds a term whose lease was renewed recently enough that no other
+        master can have been elected yet. The time check matters when this process was frozen (SIGSTOP,
+        a VM pause, a long GC) past its lease: on thawing it must not serve a single request from its stale
+        state before the keep-alive task gets to run and notices the lost term."""
+        return self._lease_id is not None and not self._lost_fired and time.monotonic() < self._valid_until
 
     # -- state ----------------------------------------------------------------------------------------
     async def load(self) -> Snapshot | None:

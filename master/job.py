@@ -20,6 +20,7 @@ from elastic.protocol import (
     JobStatus,
     JoinReply,
     JoinRequest,
+    NodeCheckResult,
     NodeState,
     NodeStatus,
     Outcome,
@@ -28,8 +29,10 @@ from elastic.protocol import (
     WorkerProgress,
 )
 from master.liveness import Liveness
+from master.node_check import NodeCheck
 from master.rendezvous import Candidate, Phase, Rendezvous
 from master.settings import JobSettings
+from master.stragglers import StragglerTracker, node_pace
 
 EXIT_FAILED = 1
 
@@ -49,6 +52,21 @@ class UnknownNodeError(JobError):
 class SettingsMismatchError(JobError):
     code = "settings_mismatch"
     http_status = 409
+
+
+class NodeExcludedError(JobError):
+    code = "node_excluded"
+    http_status = 409
+
+
+@dataclass(frozen=True)
+class _PendingFailure:
+    """A worker failure whose restart is charged provisionally until the restart round closes."""
+
+    round: int
+    members: frozenset[str]
+    cause: str
+    counted: bool  # False when the budget was already spent: the job fails at the close
 
 
 @dataclass(frozen=True)
@@ -81,9 +99,12 @@ class NodeInfo:
 
 
 def _describe_failure(node_id: str, failure: WorkerFailure) -> str:
-    how = f"signal {failure.signal}" if failure.signal else f"exit code {failure.exit_code}"
-    what = "hung" if failure.kind == "hang" else "failed"
-    text = f"rank {failure.rank} (local rank {failure.local_rank} on node {node_id}) {what} with {how}"
+    text = f"rank {failure.rank} (local rank {failure.local_rank} on node {node_id})"
+    if failure.kind == "hang":
+        text += " hung"  # the message says how (no step for ..., process stopped ...)
+    else:
+        how = f"signal {failure.signal}" if failure.signal else f"exit code {failure.exit_code}"
+        text += f" failed with {how}"
     if failure.message:
         text += f": {failure.message.strip()}"
     return text
@@ -105,8 +126,12 @@ class Job:
         self.event_count = 0  # events ever recorded (the deque keeps the newest)
         self.version = 0
         self._round_failed: set[int] = set()  # rounds whose failure was already counted
+        self._pending_failure: _PendingFailure | None = None
         self._succeeded: set[str] = set()  # members of the current round that finished
         self.started_at = now
+        self.stragglers = StragglerTracker(settings.straggler_factor)
+        self.node_check = NodeCheck(settings.node_check, settings.node_check_factor)
+        self.excluded_nodes: dict[str, NodeInfo] = {}  # by the node check; kept for the status view
 
     # -- requests ---------------------------------------------------------------------------------
     def info(self) -> JobInfo:
@@ -122,6 +147,7 @@ class Job:
             heartbeat_timeout_s=s.heartbeat_timeout_s,
             last_call_s=s.last_call_s,
             join_timeout_s=s.join_timeout_s,
+            node_check=s.node_check,
         )
 
     def join(self, req: JoinRequest, now: float) -> JoinReply:
@@ -132,6 +158,8 @@ class Job:
                 f"node {req.node_id} asks for --nnodes {req.min_nodes}:{req.max_nodes} but job "
                 f"{s.job_id} runs with {s.min_nodes}:{s.max_nodes}; start every agent with the same --nnodes"
             )
+        if req.node_id in self.node_check.excluded:
+            raise NodeExcludedError(self.node_check.excluded[req.node_id])
         if self.outcome is None:
             was_member = self.rdzv.is_member(req.node_id)
             node = self.nodes.get(req.node_id)
@@ -171,6 +199,8 @@ class Job:
         if node is None:
             if self.outcome is not None:
                 return self._reply(Command.STOP)
+            if req.node_id in self.node_check.excluded:
+                return self._exclude_reply(req.node_id)
             raise UnknownNodeError(
                 f"node {req.node_id} is not part of job {self.settings.job_id}; join first"
             )
@@ -184,8 +214,11 @@ class Job:
         if current_round and node.state != req.state:
             node.state, node.round = req.state, req.round
             self.version += 1
+        self._update_stragglers(now)
         if current_round and req.state is NodeState.FAILED and self.outcome is None:
             self._on_failure(node, req.failure, now)
+        elif current_round and req.node_check is not None and self.outcome is None:
+            self._on_node_check(req.node_id, req.round, req.node_check, now)
         elif (
             current_round
             and req.state is NodeState.SUCCEEDED
@@ -202,10 +235,24 @@ class Job:
         self._remove(node_id, f"node {node_id} left" + (f" ({reason})" if reason else ""), "node_left", now)
         self._advance(now)
 
+    def watch(self, node_id: str, node_round: int) -> CommandReply:
+        """:meth:`command_for` for a node's watch long-poll. A node this master does not know gets
+        :class:`UnknownNodeError`, as its heartbeat does: a master restarted without a durable store (or
+        one that declared the node dead) must say so, not answer "rejoin" as if it had opened a round."""
+        if self.outcome is None and node_id in self.node_check.excluded:
+            return self._exclude_reply(node_id)
+        if self.outcome is None and node_id not in self.nodes:
+            raise UnknownNodeError(
+                f"node {node_id} is not part of job {self.settings.job_id}; join first"
+            )
+        return self.command_for(node_id, node_round)
+
     def command_for(self, node_id: str, node_round: int) -> CommandReply:
         """What a node whose workers run in ``node_round`` must do now (used by heartbeat and watch)."""
         if self.outcome is not None:
             return self._reply(Command.STOP)
+        if node_id in self.node_check.excluded:
+            return self._exclude_reply(node_id)
         if node_round and (node_round != self.rdzv.round or self.rdzv.phase is Phase.OPEN):
             return self._reply(Command.REJOIN)
         if node_round and not self.rdzv.is_member(node_id):
@@ -231,13 +278,15 @@ class Job:
         current = self.rdzv.current
         active = self.rdzv.phase is Phase.ACTIVE and current is not None
         rows = []
-        for node in self.nodes.values():
+        for node in [*self.nodes.values(), *self.excluded_nodes.values()]:
             slot = current.slot(node.node_id) if active else None
+            excluded = node.node_id in self.excluded_nodes
+            verdict = self.node_check.verdicts.get(node.node_id)
             rows.append(
                 NodeStatus(
                     node_id=node.node_id,
-                    rank=slot.node_rank if slot else None,
-                    state=node.state.value,
+                    rank=slot.node_rank if slot and not excluded else None,
+                    state="excluded" if excluded else node.state.value,
                     heartbeat_age_s=self.liveness.age(node.node_id, now),
                     restarts=node.failures,
                     round=node.round,
@@ -245,6 +294,10 @@ class Job:
                     nproc=node.nproc,
                     step=node.step,
                     step_time_s=node.step_time_s,
+                    compute_time_s=node_pace(node.workers).compute_time_s,
+                    straggler=node.node_id in self.stragglers.flagged,
+                    node_check=self.node_check.results.get(node.node_id),
+                    node_check_verdict=verdict.describe() if verdict else "",
                 )
             )
         if self.outcome is not None:
@@ -290,6 +343,7 @@ class Job:
             "succeeded": sorted(self._succeeded),
             "event_count": self.event_count,
             "events": [{"kind": e.kind, "message": e.message} for e in list(self.events)[-100:]],
+            "node_check": self.node_check.snapshot(),
         }
 
     @classmethod
@@ -312,6 +366,7 @@ class Job:
         for e in data.get("events", []):
             job.events.append(Event(now, e["kind"], e["message"]))
         job.event_count = int(data.get("event_count", len(job.events)))
+        job.node_check.restore(data.get("node_check"))
         for node_id in job.nodes:
             if node_id not in job._succeeded:
                 job.liveness.beat(node_id, now)
@@ -344,7 +399,54 @@ class Job:
             max_restarts=self.settings.max_restarts,
             members=current.members,
             committed_step=self.committed_step,
+            check=self.node_check.covers(current.number),
         )
+
+    def _exclude_reply(self, node_id: str) -> CommandReply:
+        summary = self.node_check.excluded[node_id]
+        return CommandReply(
+            command=Command.EXCLUDE,
+            round=self.rdzv.round,
+            outcome=Outcome(succeeded=False, exit_code=EXIT_FAILED, summary=summary),
+            master_id=self.master_id,
+        )
+
+    def _update_stragglers(self, now: float) -> None:
+        """Re-judge the paces of the running round's members; an event per node that changed."""
+        current = self.rdzv.current
+        members = current.members if current is not None and self.rdzv.phase is Phase.ACTIVE else []
+        paces = {
+            n: node_pace(self.nodes[n].workers)
+            for n in members
+            if n in self.nodes and self.nodes[n].state is NodeState.RUNNING
+        }
+        for kind, message in self.stragglers.update(paces):
+            self._event(now, kind, message)
+
+    def _on_node_check(self, node_id: str, round_number: int, result: NodeCheckResult, now: float) -> None:
+        """A member's node-check result; once every member has one, judge them and open the real round."""
+        if not self.node_check.record(node_id, round_number, result):
+            return
+        self.version += 1
+        members = self.rdzv.current.members
+        if not self.node_check.complete(members):
+            return
+        for kind, message in self.node_check.decide(members):
+            self._event(now, kind, message)
+        for excluded in [m for m in members if m in self.node_check.excluded]:
+            self.liveness.forget(excluded)
+            self.rdzv.remove(excluded, now)
+            self.excluded_nodes[excluded] = self.nodes.pop(excluded)
+        left = [m for m in members if m not in self.node_check.excluded]
+        if len(left) < self.settings.min_nodes:
+            summary = (
+                f"the node check excluded {len(members) - len(left)} of {len(members)} node(s); "
+                f"{len(left)} left, at least {self.settings.min_nodes} needed (--nnodes)"
+            )
+            self._finish(Outcome(succeeded=False, exit_code=EXIT_FAILED, summary=summary), now)
+            return
+        self._open_round(now, "node check done", counted=False)
+        self._advance(now)
 
     def _update_committed_step(self) -> None:
         """The committed step only moves forward, and only when every member of the round holds it."""
@@ -401,21 +503,33 @@ class Job:
                 ),
                 now,
             )
-        elif self.restart_count >= self.settings.max_restarts:
-            attempts = self.restart_count + 1
-            self._finish(
-                Outcome(
-                    succeeded=False,
-                    exit_code=EXIT_FAILED,
-                    summary=f"job failed after {attempts} attempt(s) "
-                    f"(max restarts {self.settings.max_restarts}); root cause: {cause}",
-                ),
-                now,
-            )
-        else:
+            return
+        # The verdict is provisional until the restart round closes: when a peer node dies, the
+        # survivors' collectives fail *before* the heartbeat timeout declares it dead, and that is a
+        # membership change, not a failure. A member lost before the close refunds the restart (and
+        # an exhausted budget fails the job only at the close, when no such loss explains it).
+        over_budget = self.restart_count >= self.settings.max_restarts
+        if not over_budget:
             self.restart_count += 1
-            self._open_round(now, cause, counted=True)
-            self._advance(now)
+        self._pending_failure = _PendingFailure(
+            round_number, frozenset(self.rdzv.current.members), cause, counted=not over_budget
+        )
+        self._open_round(now, cause, counted=True)
+        self._advance(now)
+
+    def _attribute_failure_to_loss(self, node_id: str, now: float) -> None:
+        pending = self._pending_failure
+        if pending is None or node_id not in pending.members or self.rdzv.phase is not Phase.OPEN:
+            return
+        if pending.counted:
+            self.restart_count -= 1
+        self._pending_failure = None
+        self._event(
+            now,
+            "failure_not_counted",
+            f"the failure in round {pending.round} followed the loss of node {node_id}: a membership "
+            f"change, not counted (restarts {self.restart_count}/{self.settings.max_restarts})",
+        )
 
     def _on_success(self, node: NodeInfo, now: float) -> None:
         self._succeeded.add(node.node_id)
@@ -433,6 +547,7 @@ class Job:
         if node is None:
             return
         self._event(now, kind, why)
+        self._attribute_failure_to_loss(node_id, now)
         if not was_member or self.outcome is not None:
             return
         if self._succeeded:
@@ -456,6 +571,21 @@ class Job:
             self._open_round(now, f"admitting waiting nodes {', '.join(rdzv.waiting)}", counted=False)
         if rdzv.phase is Phase.OPEN:
             closed = rdzv.try_close(now)
+            pending, self._pending_failure = self._pending_failure, None
+            if closed is not None and pending is not None and not pending.counted:
+                attempts = self.restart_count + 1
+                self._finish(
+                    Outcome(
+                        succeeded=False,
+                        exit_code=EXIT_FAILED,
+                        summary=f"job failed after {attempts} attempt(s) "
+                        f"(max restarts {self.settings.max_restarts}); root cause: {pending.cause}",
+                    ),
+                    now,
+                )
+                return
+            if closed is None:
+                self._pending_failure = pending
             if closed is not None:
                 for slot in closed.slots:
                     self.nodes[slot.node_id].state = NodeState.STARTING

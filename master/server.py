@@ -94,7 +94,9 @@ class MasterService:
 
     def leading_job(self) -> Job:
         """The job, or a 503 that sends the client to another master."""
-        if self.job is None:
+        # ``store.leading`` turns false as soon as the lease may have expired, before the store's lease
+        # task notices: a leader frozen past its lease serves nothing stale once it runs again.
+        if self.job is None or not self.store.leading:
             raise ApiError(503, "not_leader", f"master {self.master_id} is a standby; ask another master")
         return self.job
 
@@ -114,7 +116,8 @@ class MasterService:
             self.notifier.notify()
 
     def tick(self) -> None:
-        if self.job is not None:
+        # No verdicts from a term that may be over (e.g. "every node dead" right after a freeze).
+        if self.job is not None and self.store.leading:
             self.job.tick(self.clock())
             self.changed()
 
@@ -362,10 +365,10 @@ def create_app(service: MasterService) -> FastAPI:
         """Long-poll: returns as soon as the node must do something other than continue."""
 
         def probe() -> CommandReply | None:
-            reply = job().command_for(node_id, round)
+            reply = job().watch(node_id, round)
             return None if reply.command.value == "continue" else reply
 
-        return await service.long_poll(probe, timeout) or job().command_for(node_id, round)
+        return await service.long_poll(probe, timeout) or job().watch(node_id, round)
 
     @app.post(f"{API_PREFIX}/leave")
     async def leave(req: LeaveRequest) -> CommandReply:

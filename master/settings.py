@@ -14,6 +14,13 @@ DEFAULT_JOIN_TIMEOUT_S = 600.0
 DEFAULT_MAX_RESTARTS = 3
 #: How long a restart round waits for live members that are still stopping their workers.
 DEFAULT_REJOIN_TIMEOUT_S = 30.0
+#: A node whose step time (compute time with elastic.track_ddp) exceeds this many times the nodes' median
+#: is flagged as a straggler (docs/failures.md).
+DEFAULT_STRAGGLER_FACTOR = 2.0
+#: ``--node-check``: off | on (exclude failed or slow nodes before the first round) | warn (report only).
+NODE_CHECK_MODES = ("off", "on", "warn")
+#: A node whose check figures exceed this many times the nodes' median counts as slow.
+DEFAULT_NODE_CHECK_FACTOR = 3.0
 
 
 class SettingsError(ValueError):
@@ -55,6 +62,9 @@ class JobSettings:
     #: How long a worker may report no progress before it is declared hung (0 = off).
     hang_timeout_s: float = 0.0
     rejoin_timeout_s: float = DEFAULT_REJOIN_TIMEOUT_S
+    straggler_factor: float = DEFAULT_STRAGGLER_FACTOR
+    node_check: str = "off"
+    node_check_factor: float = DEFAULT_NODE_CHECK_FACTOR
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -73,6 +83,13 @@ class JobSettings:
         for name in ("join_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "rejoin_timeout_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be > 0")
+        for name in ("straggler_factor", "node_check_factor"):
+            if getattr(self, name) <= 1:
+                raise SettingsError(f"--{name.replace('_', '-')} must be > 1, got {getattr(self, name)}")
+        if self.node_check not in NODE_CHECK_MODES:
+            raise SettingsError(
+                f"--node-check must be one of {', '.join(NODE_CHECK_MODES)}, got {self.node_check!r}"
+            )
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise SettingsError(
                 f"--heartbeat-timeout ({self.heartbeat_timeout_s}s) must exceed "

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from elastic.protocol import JobStatus
+from elastic.protocol import JobStatus, NodeStatus
+from master.node_check import describe_figures
 
-COLUMNS = ("NODE", "RANK", "STATE", "HEARTBEAT AGE", "RESTARTS", "ROUND", "WORLD")
+COLUMNS = ("NODE", "RANK", "STATE", "HEARTBEAT AGE", "RESTARTS", "ROUND", "WORLD", "STEP TIME", "FLAGS")
 
 
 def render_status(job: JobStatus) -> str:
@@ -22,9 +23,47 @@ def render_status(job: JobStatus) -> str:
         age = "-" if node.heartbeat_age_s is None else f"{node.heartbeat_age_s:.1f}s"
         rank = "-" if node.rank is None else str(node.rank)
         world = str(job.world_size) if node.rank is not None else "-"
-        rows.append((node.node_id, rank, node.state, age, str(node.restarts), str(node.round), world))
+        rows.append(
+            (
+                node.node_id,
+                rank,
+                node.state,
+                age,
+                str(node.restarts),
+                str(node.round),
+                world,
+                _step_time(node),
+                _flags(node),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
-    return "\n".join([head, *lines])
+    checks = [
+        f"node check {node.node_id}: {node.node_check_verdict}; {describe_figures(node.node_check)}"
+        for node in sorted(job.nodes, key=lambda n: n.node_id)
+        if node.node_check is not None and node.node_check_verdict
+    ]
+    return "\n".join([head, *lines, *checks])
+
+
+def _step_time(node: NodeStatus) -> str:
+    """Seconds per step; with the compute time (elastic.track_ddp) in parentheses when reported."""
+    if node.step_time_s is None:
+        return "-"
+    text = f"{node.step_time_s:.3f}s"
+    if node.compute_time_s is not None:
+        text += f"({node.compute_time_s:.3f}s)"
+    return text
+
+
+def _flags(node: NodeStatus) -> str:
+    """``straggler`` and the node check's verdict when it is not plain ok (comma-separated, no spaces)."""
+    flags = []
+    if node.straggler:
+        flags.append("straggler")
+    verdict = node.node_check_verdict.split(":", 1)[0]
+    if verdict and verdict != "ok":
+        flags.append(f"check-{verdict}")
+    return ",".join(flags)

@@ -39,6 +39,11 @@ class StateStore(abc.ABC):
     async def save(self, snapshot: Snapshot) -> None:
         """Persist ``snapshot`` (only while leading); raise :class:`StoreError` on failure."""
 
+    @property
+    def leading(self) -> bool:
+        """Whether this master may serve the job right now; always true for in-process stores."""
+        return True
+
     async def leader_hint(self) -> str | None:
         """The current leader's candidate string, when known (for redirects)."""
         return None

@@ -2,10 +2,17 @@
 
     elastic-run --standalone --nproc-per-node 2 scripts/train_script.py
 
-It runs at any world size: each step takes one global batch, fixed by the seed and the step number,
-and every rank trains on its own shard of it (rows ``rank::world_size``), so a restart with another
-world size continues the same sequence of batches. It resumes from the newest checkpoint in
-``--ckpt-dir`` and saves one every ``--ckpt-every`` steps and at the end.
+It runs at any world size: an ``elastic.ElasticSampler`` deals each step the next ``--batch-size``
+samples of the epoch's permutation, split over the ranks, and the loss is scaled so that every update
+is the mean over that global batch. A restart, at the same or another world size, resumes from the
+checkpoint every rank holds (``elastic.load``: the agent's memory first, then ``--ckpt-dir``) and
+continues with the next global batch: no sample is skipped or repeated, and with a fixed world size
+the final weights are bitwise those of an uninterrupted run.
+
+Under elastic-run the state (weights, optimizer, sampler position, RNG) is flash-saved to the agent's
+shared memory after every step, and the agent persists every ``--ckpt-every``-th save (and the last)
+to ``--ckpt-dir`` in the background. Without an agent it is saved to ``--ckpt-dir`` every
+``--ckpt-every`` steps and at the end.
 
 Output (stdout, rank 0 only except the first line, which every rank prints)::
 
@@ -17,9 +24,14 @@ Output (stdout, rank 0 only except the first line, which every rank prints)::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import json
 import os
+import random
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,6 +40,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import elastic
+from elastic.checkpoint import flash_enabled
+from elastic.sampler import ElasticSampler, StepBatch
 
 IN_FEATURES = 64
 HIDDEN = 1024
@@ -48,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ckpt-every",
         type=int,
         default=10,
-        help="save every N steps, 0: only at the end (default: %(default)s)",
+        help="persist (without elastic-run: save) every N steps, 0: only at the end (default: %(default)s)",
     )
     parser.add_argument(
         "--step-time", type=float, default=0.0, help="extra seconds to sleep per step (default: %(default)s)"
@@ -56,9 +70,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-size", type=int, default=512, help="global batch size (default: %(default)s)"
     )
+    parser.add_argument(
+        "--num-samples",
+        type=int,
+        default=NUM_SAMPLES,
+        help="dataset size; an epoch is num-samples / batch-size steps (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="largest batch per rank and forward pass; more samples per rank are accumulated "
+        "(default: the rank's whole share)",
+    )
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: %(default)s)")
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of data and initial weights (default: %(default)s)"
+        "--seed", type=int, default=0, help="seed of data, initial weights and order (default: %(default)s)"
     )
     parser.add_argument(
         "--fail-always", action="store_true", help="raise an error after start (tests the failure path)"
@@ -68,12 +95,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="PATH",
         help="write each rank's environment as JSON to PATH ({rank} is substituted)",
     )
+    parser.add_argument(
+        "--final-hash", metavar="PATH", help="rank 0 writes the SHA-256 of the final weights to PATH"
+    )
+    parser.add_argument(
+        "--sample-log",
+        metavar="DIR",
+        help="each rank appends the sample indices of every step to a file in DIR",
+    )
+    parser.add_argument(
+        "--hold-at-step",
+        type=int,
+        metavar="N",
+        help="test hook: after step N is saved and logged, every rank waits until it is killed",
+    )
     args = parser.parse_args(argv)
     for name in ("steps", "ckpt_every"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be >= 0")
+    if args.num_samples < args.batch_size:
+        parser.error("--num-samples must be at least --batch-size")
     if args.batch_size < 1 or args.step_time < 0:
         parser.error("--batch-size must be >= 1 and --step-time >= 0")
+    if args.micro_batch_size is not None and args.micro_batch_size < 1:
+        parser.error("--micro-batch-size must be >= 1")
     return args
 
 
@@ -89,13 +134,13 @@ def dump_env(path_template: str, rank: int) -> None:
     os.replace(tmp, path)  # readers never see a half-written file
 
 
-def make_dataset(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_dataset(seed: int, num_samples: int = NUM_SAMPLES) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic regression data: a fixed random teacher network plus a little noise."""
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(NUM_SAMPLES, IN_FEATURES, generator=gen)
+    x = torch.randn(num_samples, IN_FEATURES, generator=gen)
     w1 = torch.randn(IN_FEATURES, 32, generator=gen) / IN_FEATURES**0.5
     w2 = torch.randn(32, 1, generator=gen) / 32**0.5
-    y = torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(NUM_SAMPLES, 1, generator=gen)
+    y = torch.tanh(x @ w1) @ w2 + 0.01 * torch.randn(num_samples, 1, generator=gen)
     return x, y
 
 
@@ -112,10 +157,66 @@ def make_model(seed: int) -> nn.Module:
     )
 
 
-def global_batch_indices(step: int, batch_size: int, seed: int) -> torch.Tensor:
-    """Sample indices of the global batch of ``step``: a function of (seed, step) only, not of the world."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    return torch.randint(0, NUM_SAMPLES, (batch_size,), generator=gen)
+def step_batches(sampler: ElasticSampler) -> Iterator[StepBatch]:
+    """This rank's share of every step from the sampler's position on, epoch after epoch."""
+    while True:
+        yield from sampler.steps()
+        sampler.set_epoch(sampler.epoch + 1)
+
+
+def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer, sampler: ElasticSampler) -> dict:
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "sampler": sampler.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+    }
+
+
+def restore(state: dict, model: nn.Module, optimizer: torch.optim.Optimizer, sampler: ElasticSampler) -> None:
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if "sampler" in state:
+        sampler.load_state_dict(state["sampler"])
+    if "rng" in state:
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+
+
+def weights_hash(model: nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class SampleLog:
+    """``<dir>/round<R>-rank<N>-pid<P>.log``: one line per step, ``STEP EPOCH INDEX...``."""
+
+    def __init__(self, directory: str | None, rank: int) -> None:
+        self._file = None
+        if directory:
+            attempt = os.environ.get("ELASTIC_ROUND") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            name = f"round{attempt}-rank{rank}-pid{os.getpid()}.log"
+            self._file = open(Path(directory) / name, "a", buffering=1)  # noqa: SIM115 - closed by close()
+
+    def write(self, step: int, epoch: int, batch: StepBatch) -> None:
+        if self._file is not None:
+            indices = [i for micro in batch.micro_batches for i in micro]
+            self._file.write(f"{step} {epoch} {' '.join(map(str, indices))}\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
 def train(args: argparse.Namespace) -> None:
@@ -126,50 +227,77 @@ def train(args: argparse.Namespace) -> None:
 
     model = make_model(args.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    sampler = ElasticSampler(
+        args.num_samples,
+        num_replicas=world,
+        rank=rank,
+        seed=args.seed,
+        drop_last=True,
+        global_batch_size=args.batch_size,
+        batch_size=args.micro_batch_size,
+    )
     step = 0
-    resumed = elastic.load_latest(args.ckpt_dir)
+    resumed = elastic.load(args.ckpt_dir)  # the same step on every rank: memory first, then disk
     if resumed is not None:
         state, step = resumed
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        restore(state, model, optimizer, sampler)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     log(f"start rank={rank} world={world} restart={restart} resumed_step={step}")
     if args.fail_always:
         raise RuntimeError("injected failure")
 
+    flash = flash_enabled()  # under elastic-run: save to memory every step, persist every --ckpt-every
     ddp_model = DistributedDataParallel(model)
-    x, y = make_dataset(args.seed)
-    loss_fn = nn.MSELoss()
+    # Report compute time (step time minus the wait for slower ranks) so the master can name a straggler.
+    elastic.track_ddp(ddp_model)
+    x, y = make_dataset(args.seed, args.num_samples)
+    loss_fn = nn.MSELoss(reduction="sum")
+    samples = SampleLog(args.sample_log, rank)
+    batches = step_batches(sampler)
     saved_step = step
     while step < args.steps:
-        shard = global_batch_indices(step, args.batch_size, args.seed)[rank::world]
+        batch = next(batches)
+        samples.write(step + 1, sampler.epoch, batch)
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(ddp_model(x[shard]), y[shard])
-        loss.backward()  # DDP averages the gradients over ranks: the step sees the whole global batch
+        loss_sum = torch.zeros(())
+        last = len(batch.micro_batches) - 1
+        for i, micro in enumerate(batch.micro_batches):
+            rows = torch.tensor(micro, dtype=torch.long)
+            # Gradients are all-reduced once per step, on the last micro-batch.
+            with ddp_model.no_sync() if i < last else contextlib.nullcontext():
+                loss = loss_fn(ddp_model(x[rows]), y[rows])
+                # DDP averages over ranks: scaled so, the gradient is the mean over the global batch.
+                (loss * (world / batch.global_size)).backward()
+            loss_sum += loss.detach()
         optimizer.step()
         step += 1
+        sampler.advance()  # the step's samples are consumed (also reports progress to the agent)
 
-        # Log the mean over ranks, so the curve does not depend on the world size.
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss, op=dist.ReduceOp.SUM)
-        if rank == 0:
-            log(f"step={step} loss={mean_loss.item() / world:.4f} world={world}")
-        if args.ckpt_every and step % args.ckpt_every == 0:
-            elastic.save(checkpoint_state(model, optimizer), step, args.ckpt_dir, rank=rank)
+        # Log the mean over the global batch, so the curve does not depend on the world size.
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM)
+        persist = step == args.steps or (args.ckpt_every > 0 and step % args.ckpt_every == 0)
+        if flash or persist:
+            elastic.save(
+                checkpoint_state(model, optimizer, sampler), step, args.ckpt_dir, rank=rank, persist=persist
+            )
             saved_step = step
+        if rank == 0:
+            log(f"step={step} loss={loss_sum.item() / batch.global_size:.4f} world={world}")
+        if step == args.hold_at_step:
+            while True:
+                signal.pause()  # until killed: the test's SIGKILL lands right after a save
         if args.step_time:
             time.sleep(args.step_time)
+    samples.close()
 
     if saved_step != step:
-        elastic.save(checkpoint_state(model, optimizer), step, args.ckpt_dir, rank=rank)
+        elastic.save(checkpoint_state(model, optimizer, sampler), step, args.ckpt_dir, rank=rank)
     # Nobody leaves before rank 0 has written the final checkpoint; rank 0 also hosts the TCPStore.
     dist.barrier()
     if rank == 0:
+        if args.final_hash:
+            write_atomically(Path(args.final_hash), weights_hash(model) + "\n")
         log(f"done step={step}")
-
-
-def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
 
 def main(argv: list[str] | None = None) -> None:

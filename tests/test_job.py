@@ -157,6 +157,20 @@ def test_heartbeat_of_an_unknown_node_is_an_error():
     assert "ghost" not in job.nodes
 
 
+def test_watch_of_a_node_the_master_does_not_know_is_an_error_not_a_rejoin():
+    """A master restarted without a durable store is in round 1 (open) and knows no node: a watch from a
+    node of the old master's round 1 must learn that (404), not get "rejoin" as if a round had opened."""
+    job = make_job()
+    join(job, 0.0, "a")
+    with pytest.raises(UnknownNodeError):
+        job.watch("ghost", 1)
+    running(job, 1.0, "a", "b")
+    assert job.watch("a", 1).command is Command.CONTINUE
+    job.tick(1.0 + HB_TIMEOUT + 0.1)  # both declared dead: the master forgets them
+    with pytest.raises(UnknownNodeError):
+        job.watch("a", 1)
+
+
 # -- failures and restarts ------------------------------------------------------------------------------
 def test_a_worker_failure_opens_a_round_and_costs_one_restart_once_per_round():
     job = make_job()
@@ -198,6 +212,9 @@ def test_restart_budget_exhausted_fails_the_job_and_every_node_is_told_to_stop()
     failure = crash(rank=3, local_rank=1, exit_code=None, signal="SIGKILL",
                     message="killed by the OOM killer\n")
     reply = beat(job, "b", 3.0, round_=2, state=NodeState.FAILED, failure=failure)
+    # The verdict waits for the restart round to close: no member loss explains the failure.
+    assert job.outcome is None and reply.command is Command.REJOIN
+    join(job, 3.2, "a", "b")
     outcome = job.outcome
     assert outcome is not None and not outcome.succeeded
     assert outcome.exit_code != 0
@@ -206,10 +223,9 @@ def test_restart_budget_exhausted_fails_the_job_and_every_node_is_told_to_stop()
     assert "killed by the OOM killer" in outcome.summary
     assert "max restarts 1" in outcome.summary and "2 attempt(s)" in outcome.summary
     assert job.restart_count == 1, "the budget is not overdrawn"
-    assert new_kinds(job, mark) == ["worker_failed", "job_failed"]
+    assert new_kinds(job, mark) == ["worker_failed", "round_opened", "node_joined", "node_joined", "job_failed"]
     assert job.events[-1].message == outcome.summary
 
-    assert (reply.command, reply.outcome) == (Command.STOP, outcome)
     for node_id in ("a", "b"):
         for round_ in (0, 1, 2):
             reply = beat(job, node_id, 4.0, round_=round_)
@@ -231,11 +247,12 @@ def test_zero_restarts_fails_on_the_first_failure_with_exit_code_in_the_summary(
     running(job, 0.0, "a", "b")
     failure = crash(rank=2, exit_code=3, message="CUDA error: oops")
     beat(job, "b", 1.0, state=NodeState.FAILED, failure=failure)
+    join(job, 1.2, "a", "b")
     assert job.outcome is not None and not job.outcome.succeeded
     assert "rank 2" in job.outcome.summary and "exit code 3" in job.outcome.summary
     assert "CUDA error: oops" in job.outcome.summary
     assert job.restart_count == 0
-    assert kinds(job)[-2:] == ["worker_failed", "job_failed"]
+    assert kinds(job)[-1] == "job_failed" and "worker_failed" in kinds(job)
 
 
 def test_a_hang_is_reported_as_hung():
@@ -243,6 +260,7 @@ def test_a_hang_is_reported_as_hung():
     running(job, 0.0, "a", "b")
     beat(job, "a", 1.0, state=NodeState.FAILED, failure=crash(rank=0, exit_code=None, signal="SIGKILL",
                                                                 message="no progress for 60s", kind="hang"))
+    join(job, 1.2, "a", "b")
     assert "hung" in job.outcome.summary and "no progress for 60s" in job.outcome.summary
 
 
@@ -250,6 +268,7 @@ def test_a_failure_without_details_still_names_the_node():
     job = make_job(max_restarts=0)
     running(job, 0.0, "a", "b")
     beat(job, "b", 1.0, state=NodeState.FAILED)
+    join(job, 1.2, "a", "b")
     assert "node b" in job.outcome.summary
 
 
@@ -292,10 +311,11 @@ def test_a_member_that_dies_while_the_round_is_open_does_not_hold_it():
     beat(job, "b", 4.0, round_=0, state=NodeState.WAITING)
     mark = job.event_count
     job.tick(HB_TIMEOUT + 0.5)  # c's last heartbeat was at t=0
-    assert new_kinds(job, mark) == ["node_dead", "round_closed"]
+    # Losing a member before the restart round closes explains the failure: it is refunded.
+    assert new_kinds(job, mark) == ["node_dead", "failure_not_counted", "round_closed"]
     assert job.rdzv.round == 2, "no extra round for a node that was not running"
     assert job.rdzv.current.members == ["a", "b"]
-    assert job.restart_count == 1
+    assert job.restart_count == 0
 
 
 def test_a_waiting_node_that_dies_does_not_disturb_the_running_round():
@@ -416,6 +436,8 @@ def test_join_after_the_job_finished_changes_nothing():
     job = make_job(max_restarts=0)
     running(job, 0.0, "a", "b")
     beat(job, "a", 1.0, state=NodeState.FAILED, failure=crash())
+    join(job, 1.2, "a", "b")
+    assert job.outcome is not None
     mark = job.event_count
     job.join(join_req(job, "c"), 2.0)
     assert job.event_count == mark and "c" not in job.nodes
@@ -499,3 +521,29 @@ def test_no_growth_round_once_a_member_has_finished():
         job.tick(t)
     beat(job, "b", 7.0, round_=1, state=NodeState.SUCCEEDED)
     assert job.outcome is not None and job.outcome.succeeded
+
+
+def test_a_failure_caused_by_a_dying_peer_is_a_membership_change_not_a_restart():
+    """The survivors' collectives fail before the heartbeat timeout declares the peer dead."""
+    job = make_job(min_nodes=1, max_nodes=3, max_restarts=2)
+    running(job, 0.0, "a", "b", "c")
+    beat(job, "a", 0.5, state=NodeState.FAILED, failure=crash(rank=0, message="Connection closed by peer"))
+    assert job.restart_count == 1, "charged provisionally"
+    join(job, 0.6, "a", "b")  # c is dead: it never comes back
+    assert job.rdzv.phase is Phase.OPEN, "the round waits for c until its verdict"
+    job.tick(0.0 + HB_TIMEOUT + 0.1)
+    assert "failure_not_counted" in [e.kind for e in job.events]
+    assert job.restart_count == 0
+    assert job.rdzv.phase is Phase.ACTIVE and job.rdzv.current.members == ["a", "b"]
+    assert assigned(job, "a", after=1).restart_count == 0
+
+
+def test_with_no_restarts_left_a_node_loss_still_does_not_fail_the_job():
+    job = make_job(min_nodes=1, max_nodes=2, max_restarts=0)
+    running(job, 0.0, "a", "b")
+    beat(job, "a", 0.5, state=NodeState.FAILED, failure=crash(rank=0))
+    assert job.outcome is None
+    join(job, 0.6, "a")
+    job.tick(HB_TIMEOUT + 0.1)
+    assert job.outcome is None and job.rdzv.phase is Phase.ACTIVE
+    assert job.rdzv.current.members == ["a"]

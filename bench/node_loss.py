@@ -1,0 +1,214 @@
+"""Node loss (issue 7 item 2, issue 8 target): 2 fake nodes x 1 worker on this machine; SIGKILL one whole
+node (its launcher's process group and every descendant, as if the machine died); time until the survivor
+completes a step at world size 1.
+
+elastic-run: an ``elastic-master`` daemon (default settings: heartbeat 1 s, timeout 4 s, last call 2 s) and
+two agents with distinct ``--node-id``. torchrun: ``--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT
+--nnodes 1:2``, two launchers; the first one hosts the c10d store (``is_host=1``) and is the survivor, so
+that torchrun has a fair chance. Node 2 (rank 1) is killed in both cases. A run in which the survivor has
+not trained at world size 1 within --timeout seconds is recorded as "did not recover", with what the
+survivor was doing (its last lines).
+
+    python bench/node_loss.py                # 3 runs of each tool, alternated
+    python bench/node_loss.py --smoke
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common as c  # noqa: E402
+
+HEARTBEAT_TIMEOUT_S = 4.0  # the master's default, which the target is relative to
+# Lines of the survivor's log worth quoting when it does not recover (what it was waiting on).
+_NOTABLE = re.compile(
+    r"(Error\b|error:|timed out|timeout|Connection closed|Connection reset|declared dead|round_opened|"
+    r"job_failed|Restarting)",
+    re.I,
+)
+
+
+@dataclass
+class Outcome:
+    tool: str
+    recovered: bool
+    note: str = ""
+    worker_gone: float | None = None  # kill -> the survivor's old worker process ended (crash or stopped)
+    to_start: float | None = None  # kill -> survivor's new worker started
+    to_step: float | None = None  # kill -> survivor's first step at world 1
+    lost: int | None = None
+    restarts: int | None = None  # TORCHELASTIC_RESTART_COUNT of the survivor's new worker
+
+
+def notable_lines(text: str, limit: int = 6) -> list[str]:
+    """Distinct error and state lines of a log (traceback frames and code lines, which are indented,
+    are skipped), the last ``limit`` of them, shortened."""
+    seen, out = set(), []
+    for line in text.splitlines():
+        raw = re.sub(r"^(\[rank\d+\]: ?)+", "", line)
+        if "BENCH" in line or raw[:1].isspace() or not _NOTABLE.search(raw):
+            continue
+        key = re.sub(r"\d+", "#", raw)[:120]
+        if key not in seen:
+            seen.add(key)
+            out.append(raw.strip()[:160])
+    return out[-limit:]
+
+
+def one_run(tool: c.Tool, folder: Path, args) -> Outcome:
+    folder.mkdir(parents=True, exist_ok=True)
+    worker = ["--ckpt-dir", folder / "ckpt", "--step-time", args.step_time]
+    with c.Group(folder) as group:
+        cluster = c.Cluster(tool, group, "1:2", worker, rdzv_conf=args.torchrun_rdzv_conf)
+        if not cluster.start():
+            return Outcome(tool.name, False, "master did not start")
+        survivor = cluster.start_node("node1", host_store=True)
+        victim = cluster.start_node("node2")
+
+        def trained_at_2() -> bool:
+            steps = [e for e in survivor.events() if e["kind"] == "step" and e.get("world") == 2]
+            return len(steps) >= args.steps_before
+
+        if not c.wait_until(trained_at_2, args.start_timeout, tick=group.track):
+            return Outcome(tool.name, False, f"never trained {args.steps_before} steps at world size 2")
+        survivor.track()
+        starts = [e for e in survivor.events() if e["kind"] == "start"]
+        old_worker = survivor.known.get(starts[-1]["pid"]) if starts else None
+        t_kill = victim.kill_tree()
+        victim.reap(5)
+        gone: list[float] = []
+
+        def tick() -> None:
+            group.track()
+            if old_worker and not gone and c.same_process(old_worker) is None:
+                gone.append(c.time.time())
+
+        def at_world_1() -> dict | None:
+            return c.first(survivor.events(), kind="step", world=1, t=lambda t: t > t_kill)
+
+        step = c.wait_until(at_world_1, args.timeout, tick=tick)
+        events = survivor.events()
+        start = c.first(events, kind="start", t=lambda t: t > t_kill)
+        # The last step the job completed before the kill, as either node printed it.
+        both = events + victim.events()
+        last_before = max((e["step"] for e in both if e["kind"] == "step" and e["t"] < t_kill), default=0)
+        failed = gone[0] - t_kill if gone else None
+        if not step:
+            state = "survivor exited" if not survivor.alive() else "survivor still running"
+            last = [e for e in events if e["t"] > t_kill]
+            tail = "; ".join(notable_lines(survivor.output())) or "no error lines"
+            what = f"{last[-1]['kind']} at +{last[-1]['t'] - t_kill:.1f}s" if last else "no worker output"
+            return Outcome(
+                tool.name,
+                False,
+                f"no step at world 1 within {args.timeout:g}s ({state}; last worker event after the kill: "
+                f"{what}; survivor log: {tail})",
+                failed,
+                start["t"] - t_kill if start else None,
+            )
+        lost = last_before - start["resumed"] if start else None
+        return Outcome(
+            tool.name,
+            True,
+            "",
+            failed,
+            start["t"] - t_kill if start else None,
+            step["t"] - t_kill,
+            lost,
+            step.get("restart"),
+        )
+
+
+def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
+    rows, medians = [], {}
+    for tool in tools:
+        mine = [r for r in results if r.tool == tool.name]
+        ok = [r for r in mine if r.recovered]
+        stat = c.Stat([r.to_step for r in ok])
+        medians[tool.name] = stat.median
+        rows.append(
+            [
+                tool.name,
+                f"{len(ok)}/{len(mine)}",
+                stat.fmt(2),
+                c.Stat([r.worker_gone for r in mine if r.worker_gone is not None]).fmt(2),
+                c.Stat([r.to_start for r in mine if r.to_start is not None]).fmt(2),
+                c.Stat([float(r.lost) for r in ok if r.lost is not None]).fmt(0),
+                ", ".join(str(r.restarts) for r in ok) or "n/a",
+            ]
+        )
+    target = HEARTBEAT_TIMEOUT_S + 2
+    out = [
+        f"2 fake nodes x 1 worker, `--nnodes 1:2`; node 2 (its launcher and all its processes) SIGKILLed "
+        f"after {args.steps_before} steps at world size 2; {args.runs} run(s) of each tool, alternated. "
+        f"Seconds from the kill; no step at world size 1 within {args.timeout:g} s counts as not recovered.",
+        "",
+        c.table(
+            [
+                "tool",
+                "recovered",
+                "kill -> survivor step at world 1 (s)",
+                "kill -> survivor's old worker gone (s)",
+                "kill -> survivor's new worker up (s)",
+                "steps lost",
+                "restart count after",
+            ],
+            rows,
+        ),
+        "",
+        "Steps lost: the workload checkpoints on rank 0 only, after each step; when the killed node held "
+        "rank 0, a step the survivor (rank 1) had completed but rank 0 had not yet saved is lost. Restart "
+        "count after: `TORCHELASTIC_RESTART_COUNT` of the survivor's new worker, per run (0 = the node loss "
+        "was not counted against `--max-restarts`).",
+    ]
+    el, tr = medians.get("elastic-run"), medians.get("torchrun")
+    if "elastic-run" in medians:
+        verdict = "n/a" if el is None else ("met" if el <= target else "NOT met")
+        out += [
+            "",
+            f"Target elastic-run <= heartbeat timeout + 2 s = {target:g} s: {verdict} "
+            f"(median {c.Stat([el] if el is not None else []).fmt(2)} s).",
+        ]
+    if "elastic-run" in medians and "torchrun" in medians:
+        speedup = "n/a" if not el or tr is None else f"{tr / el:.1f}x"
+        out += [
+            f"torchrun / elastic-run (target >= 10x): **{speedup}**"
+            + ("" if tr is not None else " (torchrun never recovered within the timeout)")
+        ]
+    bad = [r for r in results if not r.recovered]
+    if bad:
+        out += ["", "Runs that did not recover:"] + [f"- {r.tool}: {r.note}" for r in bad]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = c.base_parser(__doc__.splitlines()[0], runs=3)
+    p.add_argument("--steps-before", type=int, default=10, help="steps at world 2 before the kill")
+    p.add_argument("--step-time", type=float, default=0.05, help="workload --step-time")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds after the kill before giving up")
+    p.add_argument("--start-timeout", type=float, default=180.0, help="seconds to reach world size 2")
+    p.add_argument("--torchrun-rdzv-conf", default="", help="extra torchrun --rdzv-conf items (k=v,...)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.runs, args.steps_before, args.timeout = 1, 3, 30.0
+    tools = c.selected_tools(args)
+    results = []
+    with c.workdir(args.workdir) as root:
+        for i, tool in c.alternate(tools, args.runs):
+            c.log(f"node-loss run {i + 1}/{args.runs}: {tool.name}")
+            r = one_run(tool, root / f"run{i}-{tool.name}", args)
+            c.log(f"  -> {r}")
+            results.append(r)
+            c.cleanup(c.log)
+    c.emit_report(args, "Node loss", report(tools, results, args))
+    return c.finish(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Scale-up admission (issue 7 item 3, issue 8 target): one node trains at world size 1, a second node is
+started; time from the new node's start to its first completed step at world size 2.
+
+elastic-run: an ``elastic-master`` daemon with default settings and agents with distinct ``--node-id``.
+torchrun: ``--rdzv-backend=c10d --nnodes 1:2``, the first launcher hosts the store; measured twice: with
+its default (the rendezvous TCP store shared with the workers) and with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (workers host their own store; "torchrun-noshare"). torchrun gets
+``last_call_timeout=2`` (elastic-run's default last call) so that the first node starts alone after 2 s
+instead of 30 s; the admission itself closes at max nodes and does not wait for the last call.
+A run with no step at world size 2 within --timeout seconds of the new node's start is recorded as
+"not admitted", with what the nodes were doing.
+
+    python bench/scale_up.py                 # 3 runs of each tool, alternated
+    python bench/scale_up.py --smoke
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common as c  # noqa: E402
+from bench.node_loss import notable_lines  # noqa: E402
+
+TARGET_RATIO = 0.5
+
+
+@dataclass
+class Outcome:
+    tool: str
+    admitted: bool
+    note: str = ""
+    to_start: float | None = None  # new node's start -> its worker of the world-2 round started
+    to_step: float | None = None  # new node's start -> its first step at world 2
+    pause: float | None = None  # old node: last step at world 1 -> first step at world 2
+
+
+def one_run(tool: c.Tool, folder: Path, args) -> Outcome:
+    folder.mkdir(parents=True, exist_ok=True)
+    worker = ["--ckpt-dir", folder / "ckpt", "--step-time", args.step_time]
+    conf = "" if tool.name == "elastic-run" else "last_call_timeout=2"
+    with c.Group(folder) as group:
+        cluster = c.Cluster(tool, group, "1:2", worker, rdzv_conf=conf)
+        if not cluster.start():
+            return Outcome(tool.name, False, "master did not start")
+        old = cluster.start_node("node1", host_store=True)
+
+        def trained_at_1() -> bool:
+            return (
+                len([e for e in old.events() if e["kind"] == "step" and e.get("world") == 1])
+                >= args.steps_before
+            )
+
+        if not c.wait_until(trained_at_1, args.start_timeout, tick=group.track):
+            return Outcome(tool.name, False, f"first node never trained {args.steps_before} steps alone")
+        new = cluster.start_node("node2")
+        t0 = new.started
+
+        def at_world_2() -> dict | None:
+            return c.first(new.events(), kind="step", world=2)
+
+        step = c.wait_until(at_world_2, args.timeout, tick=group.track)
+        start = c.first(new.events(), kind="start", world=2)
+        if not step:
+            olds = old.events()
+            last = olds[-1] if olds else None
+            doing = (
+                f"first node's last worker event: {last['kind']} world={last.get('world')}" if last else ""
+            )
+            lines = "; ".join(notable_lines(old.output(), 3) + notable_lines(new.output(), 3))
+            return Outcome(
+                tool.name,
+                False,
+                f"no step at world 2 within {args.timeout:g}s ({doing}; new worker started: "
+                f"{'yes' if start else 'no'}; logs: {lines or 'no error lines'})",
+                start["t"] - t0 if start else None,
+            )
+        c.wait_until(lambda: c.first(old.events(), kind="step", world=2), 15, tick=group.track)
+        olds = old.events()
+        last1 = max((e["t"] for e in olds if e["kind"] == "step" and e.get("world") == 1), default=None)
+        first2 = c.first(olds, kind="step", world=2)
+        pause = first2["t"] - last1 if first2 and last1 else None
+        return Outcome(tool.name, True, "", start["t"] - t0 if start else None, step["t"] - t0, pause)
+
+
+def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
+    rows, medians = [], {}
+    for tool in tools:
+        mine = [r for r in results if r.tool == tool.name]
+        ok = [r for r in mine if r.admitted]
+        stat = c.Stat([r.to_step for r in ok])
+        medians[tool.name] = stat.median
+        rows.append(
+            [
+                tool.name,
+                f"{len(ok)}/{len(mine)}",
+                stat.fmt(2),
+                c.Stat([r.to_start for r in ok if r.to_start is not None]).fmt(2),
+                c.Stat([r.pause for r in ok if r.pause is not None]).fmt(2),
+            ]
+        )
+    out = [
+        f"`--nnodes 1:2`, 1 worker per node; node 1 trains {args.steps_before} steps alone, then node 2 is "
+        f"started; {args.runs} run(s) of each tool, alternated. Seconds from node 2's start; no step at "
+        f"world size 2 within {args.timeout:g} s counts as not admitted.",
+        "",
+        c.table(
+            [
+                "tool",
+                "admitted",
+                "new node start -> its first step at world 2 (s)",
+                "-> its worker up (s)",
+                "node 1 paused (s)",
+            ],
+            rows,
+        ),
+    ]
+    el = medians.get("elastic-run")
+    for base in ("torchrun-noshare", "torchrun"):
+        if "elastic-run" in medians and base in medians:
+            extra = ""
+            if base == "torchrun-noshare":
+                verdict = "n/a"
+                if el is not None and medians[base]:
+                    verdict = "met" if el / medians[base] <= TARGET_RATIO else "NOT met"
+                extra = f" (target <= {TARGET_RATIO}x: {verdict})"
+            out += ["", f"Ratio elastic-run / {base}: **{c.ratio(el, medians[base])}**{extra}."]
+    bad = [r for r in results if not r.admitted]
+    if bad:
+        out += ["", "Runs that did not admit the new node:"] + [f"- {r.tool}: {r.note}" for r in bad]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = c.base_parser(__doc__.splitlines()[0], runs=3, tools="elastic-run,torchrun,torchrun-noshare")
+    p.add_argument("--steps-before", type=int, default=10, help="steps of node 1 alone before node 2 starts")
+    p.add_argument("--step-time", type=float, default=0.05, help="workload --step-time")
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds after node 2's start before giving up"
+    )
+    p.add_argument("--start-timeout", type=float, default=180.0, help="seconds for node 1 to train alone")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.runs, args.steps_before, args.timeout = 1, 3, 30.0
+    tools = c.selected_tools(args)
+    results = []
+    with c.workdir(args.workdir) as root:
+        for i, tool in c.alternate(tools, args.runs):
+            c.log(f"scale-up run {i + 1}/{args.runs}: {tool.name}")
+            r = one_run(tool, root / f"run{i}-{tool.name}", args)
+            c.log(f"  -> {r}")
+            results.append(r)
+            c.cleanup(c.log)
+    c.emit_report(args, "Scale-up admission", report(tools, results, args))
+    return c.finish(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

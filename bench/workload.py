@@ -1,0 +1,139 @@
+"""The benchmark workload: one small DDP training job that elastic-run and torchrun both run unchanged.
+
+It uses plain ``torch.distributed.init_process_group("gloo")`` (env:// rendezvous, no ``import elastic``)
+so torchrun runs it natively. Data and initial weights are deterministic. Rank 0 checkpoints to disk after
+every step (``torch.save`` to a temporary file, then an atomic rename) so either launcher can resume.
+
+Output lines (stdout, flushed, parsed by ``bench/common.py``)::
+
+    BENCH start restart=<TORCHELASTIC_RESTART_COUNT> resumed=<step> rank=R world=W pid=P t=<time.time()>
+    BENCH init restart=R rank=R world=W t=...       # after init_process_group
+    BENCH step=N world=W rank=R restart=R t=...     # after step N is complete and checkpointed
+    BENCH done step=N rank=R t=...
+
+``resumed`` is the step of the checkpoint this rank found (0 when none); after the process group is
+up, rank 0's step and weights are broadcast so that every rank continues from the same state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+CKPT_NAME = "latest.pt"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt-dir", required=True, help="checkpoint folder (shared by all ranks)")
+    p.add_argument("--steps", type=int, default=1_000_000, help="stop after this step (default: %(default)s)")
+    p.add_argument(
+        "--step-time", type=float, default=0.05, help="seconds of simulated compute per step (sleep)"
+    )
+    p.add_argument("--hidden", type=int, default=256, help="hidden width of the MLP")
+    p.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--init-only", action="store_true", help="init the process group, print 'init', barrier, exit"
+    )
+    p.add_argument(
+        "--pg-timeout", type=float, default=0, help="process group timeout in seconds (0: torch's default)"
+    )
+    return p.parse_args(argv)
+
+
+def emit(kind: str, **fields: object) -> None:
+    text = " ".join(f"{k}={v}" for k, v in fields.items())
+    sys.stdout.flush()
+    # One write(2) per line: ranks that share the launcher's stdout (torchrun) never interleave mid-line.
+    os.write(sys.stdout.fileno(), f"BENCH {kind} {text} t={time.time():.6f}\n".encode())
+
+
+def make_model(hidden: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(32, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1)
+    )
+
+
+def batch(step: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: a function of (seed, step) only, never of the world size."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    x = torch.randn(size, 32, generator=gen)
+    y = x[:, :1].sin() + 0.1 * x[:, 1:2]
+    return x, y
+
+
+def load(ckpt_dir: Path) -> dict | None:
+    path = ckpt_dir / CKPT_NAME
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        return None
+
+
+def save(ckpt_dir: Path, state: dict) -> None:
+    tmp = ckpt_dir / f".{CKPT_NAME}.{os.getpid()}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, ckpt_dir / CKPT_NAME)  # readers see the old or the new file, never half of one
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ckpt_dir = Path(args.ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    state = None if args.init_only else load(ckpt_dir)
+    resumed = int(state["step"]) if state else 0
+    emit("start", restart=restart, resumed=resumed, rank=rank, world=world, pid=os.getpid())
+
+    kwargs = {"timeout": datetime.timedelta(seconds=args.pg_timeout)} if args.pg_timeout else {}
+    dist.init_process_group("gloo", **kwargs)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    emit("init", restart=restart, rank=rank, world=world)
+    if args.init_only:
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+
+    model = make_model(args.hidden, args.seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if state:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    # Rank 0's checkpoint rules: its step is broadcast here, its weights by DDP's constructor.
+    step_t = torch.tensor([resumed], dtype=torch.int64)
+    dist.broadcast(step_t, src=0)
+    step = int(step_t.item())
+    ddp = DistributedDataParallel(model)
+    loss_fn = nn.MSELoss()
+    while step < args.steps:
+        if args.step_time:
+            time.sleep(args.step_time)
+        x, y = batch(step, args.batch_size, args.seed)
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(ddp(x[rank::world]), y[rank::world]).backward()
+        optimizer.step()
+        step += 1
+        if rank == 0:
+            save(ckpt_dir, {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()})
+        emit("step", step=step, world=world, rank=rank, restart=restart)
+    dist.barrier()
+    emit("done", step=step, rank=rank)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

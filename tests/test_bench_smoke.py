@@ -1,0 +1,81 @@
+"""The benchmarks in bench/ run end to end in their --smoke mode (tiny sizes, one run per tool), print a
+table, and leave no process behind; run_all keeps the sections of docs/benchmarks.md it does not own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.run_all import update_section  # noqa: E402
+
+
+def _tagged(tag: str) -> list[int]:
+    out = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("BENCH_SMOKE_TAG") == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+def _run(argv: list[str], tmp_path: Path, timeout: float) -> tuple[subprocess.CompletedProcess, list[int]]:
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, BENCH_SMOKE_TAG=tag)
+    proc = subprocess.run(
+        [sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    return proc, _tagged(tag)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("script", ["recovery", "node_loss", "scale_up", "rendezvous", "launch"])
+def test_benchmark_smoke(script: str, tmp_path: Path) -> None:
+    out = tmp_path / "report.md"
+    argv = [f"bench/{script}.py", "--smoke", "--workdir", str(tmp_path / "work"), "--markdown-out", str(out)]
+    proc, left = _run(argv, tmp_path, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = out.read_text()
+    assert "elastic-run" in report and "| ---" in report, report
+    assert "Command: `python bench/" in report
+    assert not left, f"processes left behind by bench/{script}.py: {left}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_run_all_writes_its_section_and_keeps_others(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks: elastic-run vs torchrun\n\n## Checkpoint\n\nflash numbers stay here\n")
+    proc, left = _run(
+        ["bench/run_all.py", "--smoke", "--only", "launch", "--doc", str(doc), "--timeout", "280"],
+        tmp_path,
+        timeout=290,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = doc.read_text()
+    assert "flash numbers stay here" in text
+    assert "<!-- bench:launch:begin -->" in text and "| elastic-run" in text
+    assert text.index("About these numbers") < text.index("## Checkpoint") < text.index("## Launch overhead")
+    assert not left
+
+
+def test_update_section_replaces_only_its_own_block() -> None:
+    text = "# T\n\n## Checkpoint\n\nkept\n"
+    once = update_section(text, "launch", "Launch overhead", "table 1")
+    assert "kept" in once and "table 1" in once
+    twice = update_section(once, "launch", "Launch overhead", "table 2")
+    assert "table 1" not in twice and "table 2" in twice and twice.count("## Launch overhead") == 1
+    top = update_section(twice, "about", "About these numbers", "about text", top=True)
+    assert top.startswith("# T\n\n## About these numbers\n")
+    assert top.index("About") < top.index("Checkpoint") < top.index("Launch overhead")
