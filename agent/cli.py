@@ -431,9 +431,11 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
         settings.job.job_id, settings.node_id, settings.ckpt_dir, settings.ckpt_keep, os.environ
     )
     channel = ProgressChannel(on_checkpoint=keeper.on_checkpoint)
+    agent: ElasticAgent | None = None
     try:
         keeper.start()
-        return ElasticAgent(settings, client, group, channel, worker_env=keeper.worker_env()).run()
+        agent = ElasticAgent(settings, client, group, channel, worker_env=keeper.worker_env())
+        return agent.run()
     except KeeperError as exc:
         raise AgentError(f"cannot set up the checkpoint shared memory: {exc}") from None
     finally:
@@ -446,6 +448,8 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
         client.close()
         if master is not None:
             master.stop()
+        if agent is not None and agent.failure_summary:
+            print(f"elastic-run: job failed: {agent.failure_summary}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

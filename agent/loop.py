@@ -18,7 +18,6 @@ import logging
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -109,6 +108,7 @@ class ElasticAgent(HealthMixin):
         #: reaches the new leader well within its grace period (one heartbeat timeout).
         self.heartbeat_call_timeout = settings.job.heartbeat_timeout_s / 3
         self._closing = threading.Event()
+        self.failure_summary: str | None = None  # the job's root-cause summary when it failed
         self._last_contact = time.monotonic()
         self.host = settings.local_addr or "127.0.0.1"
 
@@ -290,7 +290,8 @@ class ElasticAgent(HealthMixin):
         if outcome.succeeded:
             log.info("job succeeded")
         else:
-            print(f"elastic-run: job failed: {outcome.summary}", file=sys.stderr, flush=True)
+            # Printed by the CLI after every resource is released, so it is the last line a user sees.
+            self.failure_summary = outcome.summary
         return outcome.exit_code
 
     def _shut_down(self, signum: int) -> int:

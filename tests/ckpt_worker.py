@@ -25,6 +25,7 @@ import elastic
 
 WATCHDOG_S = 200
 
+
 def sharded_state(world: int, zeros: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -81,8 +82,10 @@ def main() -> None:
             write_json(out / f"rank{rank}.json", {"step": step})
         else:
             raise SystemExit(f"unknown mode {mode}")
+        dist.barrier()  # rank 0 hosts the TCPStore: nobody tears the group down while others still use it
     finally:
         elastic.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":

@@ -545,7 +545,8 @@ def test_agent_killed_during_a_persist_restarts_from_the_previous_complete_check
     first.wait(30)
     wait_until(lambda: not any(map(alive, workers)), 30, "the workers of the killed agent to be reaped")
     assert torn() and not (ckpt / "step_0000000006.pt").exists()
-    assert shm_folders(job) == [SHM / folder_name(job, "n1")], "a crash leaves the memory behind"
+    # The killed agent's memory (newer saves than step 3) is left behind; the next agent's start removes
+    # it (any agent starting on this host would: tests/test_ckpt_keeper.py checks that rule).
 
     second = launch(standalone_argv(job, 1, ckpt, *script), name="second")
     assert second.wait(RUN_TIMEOUT_S) == 0, second.output()[-4000:]

@@ -292,7 +292,9 @@ def test_killed_worker_restarts_group_and_resumes_from_checkpoint(launch, tmp_pa
         assert resumed >= saved_before_kill, (
             f"rank {rank} resumed from step {resumed}, before the checkpoint of step {saved_before_kill}"
         )
-        assert resumed % every == 0 and resumed <= steps
+        # Flash checkpoints are taken every step (memory), so the restart may resume past the last disk save.
+        assert resumed <= steps
+    assert restarted[0].group(2) == restarted[1].group(2), "every rank restores the same step"
     resumed = int(restarted[0].group(2))
     assert proc.wait(RUN_TIMEOUT_S) == 0, proc.output()[-4000:]
     out = proc.output()
