@@ -223,7 +223,8 @@ def test_restart_budget_exhausted_fails_the_job_and_every_node_is_told_to_stop()
     assert "killed by the OOM killer" in outcome.summary
     assert "max restarts 1" in outcome.summary and "2 attempt(s)" in outcome.summary
     assert job.restart_count == 1, "the budget is not overdrawn"
-    assert new_kinds(job, mark) == ["worker_failed", "round_opened", "node_joined", "node_joined", "job_failed"]
+    expected = ["worker_failed", "round_opened", "node_joined", "node_joined", "job_failed"]
+    assert new_kinds(job, mark) == expected
     assert job.events[-1].message == outcome.summary
 
     for node_id in ("a", "b"):
