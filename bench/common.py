@@ -446,7 +446,8 @@ def command_line() -> str:
 
 def emit_report(args: argparse.Namespace, title: str, body: str) -> None:
     """Print the report and, with ``--markdown-out``, write it for ``run_all``."""
-    text = f"{body}\n\nCommand: `{command_line()}`  \n{machine_note()}\n"
+    when = time.strftime("%Y-%m-%d %H:%M")
+    text = f"{body}\n\nMeasured: {when}, command: `{command_line()}`  \n{machine_note()}\n"
     print(f"\n## {title}\n\n{text}", flush=True)
     if args.markdown_out:
         Path(args.markdown_out).write_text(text)

@@ -49,7 +49,8 @@ killed by name.
 
 {note}
 
-**Last run:** {when}, `{command}`.
+**Overview written:** {when}, by `{command}`. Each section says when it was measured and with which
+command; a partial run (`--only`) replaces only its own sections.
 
 Checkpoint figures (issue 7 item 6) are in the [Checkpoint](#checkpoint) section of this file, written
 by the flash-checkpoint benchmark.
@@ -103,13 +104,22 @@ def run_one(script: str, extra: list[str], timeout: float) -> tuple[str, float]:
     return text, took
 
 
-def target_lines(reports: dict[str, str]) -> str:
+def section_body(text: str, key: str) -> str:
+    match = re.search(re.escape(begin(key)) + r"(.*?)" + re.escape(end(key)), text, re.S)
+    return match.group(1) if match else ""
+
+
+def target_lines(text: str) -> str:
+    """The ratio and target lines of every benchmark section now in the file (whenever it was measured)."""
     lines = []
     for key, heading, _ in BENCHES:
-        for line in reports.get(key, "").splitlines():
+        body = section_body(text, key)
+        stamp = re.search(r"Measured: ([0-9-]+ [0-9:]+)", body)
+        when = f" (measured {stamp.group(1)})" if stamp else ""
+        for line in body.splitlines():
             if re.search(r"target|ratio", line, re.I) and not line.lstrip().startswith("|"):
-                lines.append(f"- {heading}: {line.strip()}")
-    return "\n".join(lines) or "_no target lines in this run_"
+                lines.append(f"- {heading}{when}: {line.strip()}")
+    return "\n".join(lines) or "_no target lines yet_"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true", help="print only; leave the markdown file alone")
     p.add_argument("--timeout", type=float, default=3 * 3600, help="seconds per benchmark script")
     p.add_argument("--workdir", default=None, help="keep each benchmark's logs under this folder")
+    p.add_argument(
+        "--index-only",
+        action="store_true",
+        help="run nothing; rebuild the overview from the sections in the file",
+    )
     args = p.parse_args(argv)
     only = {k.strip() for k in args.only.split(",") if k.strip()}
     unknown = only - {k for k, _, _ in BENCHES}
@@ -131,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = (["--smoke"] if args.smoke else []) + (["--runs", str(args.runs)] if args.runs else [])
     reports: dict[str, str] = {}
     for key, heading, script in BENCHES:
-        if only and key not in only:
+        if (only and key not in only) or args.index_only:
             continue
         keep = ["--workdir", str(Path(args.workdir).resolve() / key)] if args.workdir else []
         report, took = run_one(script, extra + keep, args.timeout)
@@ -146,10 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             text = update_section(text, key, heading, reports[key])
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     about = ABOUT.format(
-        note=c.machine_note(), when=when, command=c.command_line(), targets=target_lines(reports)
+        note=c.machine_note().split(" Code:")[0],
+        when=when,
+        command=c.command_line(),
+        targets=target_lines(text),
     )
-    if not only or begin("about") not in text:  # a partial run keeps the previous overview
-        text = update_section(text, "about", "About these numbers", about, top=True)
+    text = update_section(text, "about", "About these numbers", about, top=True)
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
     c.log(f"wrote {doc}")
