@@ -106,8 +106,14 @@ def test_hang_watch_sees_a_stopped_process_and_forgets_a_continued_one(tmp_path:
     import subprocess
     import sys
 
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+    )
     try:
+        # Wait until the interpreter is up: while it loads from disk it may be in disk sleep, which the
+        # watch (rightly) counts as stuck and would remember as the first sighting.
+        assert child.stdout.readline().strip() == b"ready"
         watch = HangWatch(timeout_s=5.0)
         progress = {0: RankProgress(step=3, advanced_at=time.monotonic())}
         assert watch.check(time.monotonic(), progress, {0: child.pid}) == []
