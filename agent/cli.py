@@ -28,6 +28,7 @@ from agent.settings import (
 )
 from elastic.auth import TokenError, derived_token, read_token_file
 from master import settings as ms
+from master.cli_options import job_policy_options
 
 log = logging.getLogger("elastic.agent")
 
@@ -246,41 +247,7 @@ CONTEXT = {
     show_default=True,
     help="Checkpoints to keep in --ckpt-dir.",
 )
-@click.option(
-    "--node-unit",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Embedded master: node count is a multiple of this.",
-)
-@click.option(
-    "--last-call",
-    type=click.FloatRange(min=0),
-    default=ms.DEFAULT_LAST_CALL_S,
-    show_default=True,
-    help="Embedded master: seconds to wait for more nodes once MIN joined.",
-)
-@click.option(
-    "--join-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=ms.DEFAULT_JOIN_TIMEOUT_S,
-    show_default=True,
-    help="Embedded master: fail when MIN nodes have not joined in this time.",
-)
-@click.option(
-    "--heartbeat-interval",
-    type=click.FloatRange(min=0, min_open=True),
-    default=ms.DEFAULT_HEARTBEAT_INTERVAL_S,
-    show_default=True,
-    help="Embedded master: seconds.",
-)
-@click.option(
-    "--heartbeat-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=ms.DEFAULT_HEARTBEAT_TIMEOUT_S,
-    show_default=True,
-    help="Embedded master: a node is dead after this long without a heartbeat.",
-)
+@job_policy_options(embedded=True)
 @click.option(
     "--stop-grace",
     type=click.FloatRange(min=0),

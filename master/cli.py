@@ -10,6 +10,7 @@ import click
 
 from elastic.auth import TokenError, create_token_file, read_token_file
 from master import settings as ms
+from master.cli_options import job_policy_options
 
 log = logging.getLogger("elastic.master")
 
@@ -36,41 +37,7 @@ def _resolve_token(token_file: str | None) -> str:
 )
 @click.option("--job-id", default=None, help="Id of the job this master serves (required to serve).")
 @click.option("--nnodes", default="1:1", show_default=True, help="Number of nodes, N or MIN:MAX.")
-@click.option(
-    "--node-unit",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="The node count of a round is a multiple of this.",
-)
-@click.option(
-    "--last-call",
-    type=click.FloatRange(min=0),
-    default=ms.DEFAULT_LAST_CALL_S,
-    show_default=True,
-    help="Seconds to wait for more nodes once MIN joined, and before admitting new nodes.",
-)
-@click.option(
-    "--join-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=ms.DEFAULT_JOIN_TIMEOUT_S,
-    show_default=True,
-    help="Fail the job when a round cannot form within this many seconds.",
-)
-@click.option(
-    "--heartbeat-interval",
-    type=click.FloatRange(min=0, min_open=True),
-    default=ms.DEFAULT_HEARTBEAT_INTERVAL_S,
-    show_default=True,
-    help="Seconds between agent heartbeats.",
-)
-@click.option(
-    "--heartbeat-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=ms.DEFAULT_HEARTBEAT_TIMEOUT_S,
-    show_default=True,
-    help="A node is declared dead after this many seconds without a heartbeat.",
-)
+@job_policy_options(embedded=False)
 @click.option(
     "--max-restarts",
     type=click.IntRange(min=0),
