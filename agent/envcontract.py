@@ -7,8 +7,10 @@ which owns the per-attempt error files.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from elastic.protocol import Assignment
+if TYPE_CHECKING:  # only for annotations: the warm zygote side imports CONTRACT without pydantic
+    from elastic.protocol import Assignment
 
 CONTRACT = (
     "RANK",

@@ -64,6 +64,7 @@ from importlib.util import MAGIC_NUMBER
 from pathlib import Path
 from typing import BinaryIO
 
+from agent.envcontract import CONTRACT
 from agent.reaper import Reaper
 from agent.workers import Launcher, LauncherUnavailable, WorkerProcess, WorkerSpec, _make_child_setup
 
@@ -77,30 +78,9 @@ _CLOSE_TIMEOUT_S = 5.0
 # A spawn request is one datagram; the kernel limits its size (net.core.wmem_max, ~200 KiB by default).
 _SEND_BUFFER_BYTES = 4 * 1024 * 1024
 
-#: Variables that may differ between the zygote and a warm worker: set per worker by the agent and not
-#: read when torch or torch._dynamo is imported (checked with torch 2.13). Mirrors
-#: agent.envcontract.CONTRACT (not imported here: it pulls in pydantic).
-PER_WORKER_VARIABLES = frozenset(
-    {
-        "RANK",
-        "LOCAL_RANK",
-        "WORLD_SIZE",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "GROUP_WORLD_SIZE",
-        "ROLE_RANK",
-        "ROLE_WORLD_SIZE",
-        "ROLE_NAME",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RESTART_COUNT",
-        "TORCHELASTIC_MAX_RESTARTS",
-        "TORCHELASTIC_RUN_ID",
-        "TORCHELASTIC_USE_AGENT_STORE",
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-        "OMP_NUM_THREADS",
-    }
-)
+#: Variables that may differ between the zygote and a warm worker: the ones the agent sets per worker,
+#: none of which is read when torch or torch._dynamo is imported (checked with torch 2.13).
+PER_WORKER_VARIABLES = frozenset(CONTRACT)
 _PER_WORKER_PREFIXES = ("TORCHELASTIC_", "ELASTIC_")
 #: Modules the zygote imports (torch first; each must leave it single-threaded and CUDA untouched).
 DEFAULT_PRELOAD = ("torch", "torch._dynamo")
