@@ -138,6 +138,7 @@ def main() -> int:
     if problem is not None:
         _send(ctrl, {"op": "unavailable", "reason": problem})
         return 1
+    _install_store_wait()
     env_added.update({k: v for k, v in os.environ.items() if env_before.get(k) != v})
     env_removed = set(env_before) - set(os.environ)
     base = _Baseline(torch, ctrl_fd, env_added, env_removed)
@@ -154,6 +155,45 @@ def main() -> int:
     if not _send(ctrl, ready):
         return 0
     return _serve(ctrl, base)
+
+
+def _install_store_wait() -> None:
+    """Make a worker of non-zero rank wait until rank 0's TCPStore listens before torch connects to it.
+
+    torch's TCPStore client retries a refused connection only after a back-off of 0.3-0.7 s. A warm worker
+    reaches ``init_process_group`` within tens of milliseconds, often before rank 0 (which hosts the store
+    with torchrun's env contract) listens, and would lose that back-off in most restarts. A connect probe
+    every 10 ms makes torch's first attempt succeed; the store ignores a probe that closes at once.
+    """
+    rdzv = sys.modules.get("torch.distributed.rendezvous")
+    original = getattr(rdzv, "_create_c10d_store", None)
+    if original is None:  # torch without distributed support, or a layout we do not know: leave it be
+        return
+
+    def _create_c10d_store(hostname, port, rank, world_size, timeout, *args, **kwargs):
+        if rank != 0:
+            _wait_for_listener(hostname, port, timeout.total_seconds())
+        return original(hostname, port, rank, world_size, timeout, *args, **kwargs)
+
+    _create_c10d_store.__doc__ = original.__doc__
+    _create_c10d_store.__wrapped__ = original
+    rdzv._create_c10d_store = _create_c10d_store
+
+
+def _wait_for_listener(host: str, port: int, timeout_s: float) -> None:
+    """Return once ``host:port`` accepts a connection, on any error other than a refusal (torch reports
+    it), or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(1.0, timeout_s)).close()
+            return
+        except ConnectionRefusedError:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
+        except OSError:
+            return
 
 
 def _fork_safety_problem(torch: types.ModuleType, native_threads: int, imported: str) -> str | None:

@@ -6,8 +6,8 @@ import dataclasses
 import logging
 import time
 
-from agent.client import MasterClient, MasterError, MasterUnreachableError
-from agent.loop import EXIT_CONFIG, AgentError
+from agent.client import MasterClient
+from agent.errors import EXIT_CONFIG, AgentError, MasterError, MasterUnreachableError
 from agent.net import split_address
 from agent.settings import AgentSettings
 
@@ -16,10 +16,10 @@ log = logging.getLogger("elastic.agent")
 
 def connect_or_host_master(settings: AgentSettings, embed_at: str | None):
     """Return ``(embedded master or None, settings with the master addresses filled in)``."""
-    from master.server import EmbeddedMaster, bind_socket  # web stack only when hosting
-    from master.settings import ServerSettings
-
     if settings.standalone:
+        from master.server import EmbeddedMaster  # the web stack (~0.3 s of imports) only when hosting
+        from master.settings import ServerSettings
+
         master = EmbeddedMaster(ServerSettings(job=settings.job, token=settings.token)).start()
         return master, dataclasses.replace(settings, masters=(master.address,))
     client = MasterClient(list(settings.masters), settings.job.job_id, settings.token, request_timeout=3.0)
@@ -31,6 +31,9 @@ def connect_or_host_master(settings: AgentSettings, embed_at: str | None):
                 return None, settings
             except MasterUnreachableError:
                 if embed_at is not None:
+                    from master.server import EmbeddedMaster, bind_socket
+                    from master.settings import ServerSettings
+
                     host, port = split_address(embed_at)
                     try:
                         sock = bind_socket(host, port)

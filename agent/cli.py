@@ -17,9 +17,8 @@ import uuid
 
 import click
 
-from agent.client import MasterClient, MasterError, parse_addresses
-from agent.loop import EXIT_CONFIG, AgentError, ElasticAgent
-from agent.net import is_local_host, local_address_for, split_address
+from agent.errors import EXIT_CONFIG, AgentError, MasterError
+from agent.net import is_local_host, local_address_for, parse_addresses, split_address
 from agent.settings import (
     DEFAULT_HANG_TIMEOUT_S,
     DEFAULT_MASTER_TIMEOUT_S,
@@ -381,38 +380,46 @@ def _settings(o: dict) -> tuple[AgentSettings, str | None]:
 
 def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
     """Start (or find) the master, then run the agent loop; returns the exit code."""
-    from agent.bootstrap import connect_or_host_master  # keeps `elastic-run --help` fast
-    from agent.channel import ProgressChannel
-    from agent.ckpt_keeper import KeeperError, keeper_for
-    from agent.warm import WarmLauncher
+    from agent.warm import WarmLauncher  # the other imports wait: `elastic-run --help` stays fast
     from agent.workers import Reaper, WorkerGroup
 
-    master, settings = connect_or_host_master(settings, embed_at)
-    client = MasterClient(list(settings.masters), settings.job.job_id, settings.token)
     reaper = Reaper()
-    # The zygote imports torch in the background; the first workers are exec'd if it is not ready yet.
+    # The zygote starts first: importing torch is the longest step of a new node's first worker start,
+    # and it runs while this agent imports the rest, finds the master and waits for its round.
     launcher = WarmLauncher(reaper, argv_hint=settings.argv) if settings.warm_start else None
-    group = WorkerGroup(reaper=reaper, launcher=launcher)
-    # Checkpoint shared memory of this node; the test hook ELASTIC_PERSIST_DELAY_S slows its persists.
-    keeper = keeper_for(
-        settings.job.job_id, settings.node_id, settings.ckpt_dir, settings.ckpt_keep, os.environ
-    )
-    channel = ProgressChannel(on_checkpoint=keeper.on_checkpoint)
-    agent: ElasticAgent | None = None
+    master = client = group = channel = keeper = agent = None
     try:
+        from agent.bootstrap import connect_or_host_master
+        from agent.channel import ProgressChannel
+        from agent.ckpt_keeper import KeeperError, keeper_for
+        from agent.client import MasterClient
+        from agent.loop import ElasticAgent
+
+        master, settings = connect_or_host_master(settings, embed_at)
+        client = MasterClient(list(settings.masters), settings.job.job_id, settings.token)
+        group = WorkerGroup(reaper=reaper, launcher=launcher)
+        # Checkpoint shared memory of this node; the test hook ELASTIC_PERSIST_DELAY_S slows its persists.
+        keeper = keeper_for(
+            settings.job.job_id, settings.node_id, settings.ckpt_dir, settings.ckpt_keep, os.environ
+        )
+        channel = ProgressChannel(on_checkpoint=keeper.on_checkpoint)
         keeper.start()
         agent = ElasticAgent(settings, client, group, channel, worker_env=keeper.worker_env())
         return agent.run()
     except KeeperError as exc:
         raise AgentError(f"cannot set up the checkpoint shared memory: {exc}") from None
     finally:
-        group.close()
+        if group is not None:
+            group.close()
         if launcher is not None:
             launcher.close()
-        channel.close()
-        keeper.stop()  # after the workers: persists what is pending, then frees the memory
+        if channel is not None:
+            channel.close()
+        if keeper is not None:
+            keeper.stop()  # after the workers: persists what is pending, then frees the memory
         reaper.close()
-        client.close()
+        if client is not None:
+            client.close()
         if master is not None:
             master.stop()
         if agent is not None and agent.failure_summary:

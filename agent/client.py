@@ -14,6 +14,8 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from agent.errors import MasterError, MasterRejectedError, MasterUnreachableError
+from agent.net import parse_addresses
 from elastic.protocol import (
     API_PREFIX,
     JOB_HEADER,
@@ -27,39 +29,16 @@ from elastic.protocol import (
     RoundReply,
 )
 
+__all__ = [
+    "Backoff",
+    "MasterClient",
+    "MasterError",
+    "MasterRejectedError",
+    "MasterUnreachableError",
+    "parse_addresses",
+]
+
 M = TypeVar("M", bound=BaseModel)
-
-
-class MasterError(Exception):
-    """Base of the errors talking to the master."""
-
-
-class MasterUnreachableError(MasterError):
-    """No master answered at any of the addresses."""
-
-
-class MasterRejectedError(MasterError):
-    """The master answered with an error status."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
-
-
-def parse_addresses(text: str) -> list[str]:
-    """``HOST:PORT[,HOST:PORT...]`` → list of ``HOST:PORT`` (IPv6 as ``[::1]:PORT``)."""
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        host, sep, port = part.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"master address must be HOST:PORT, got {part!r}")
-        out.append(part)
-    if not out:
-        raise ValueError("no master address given")
-    return out
 
 
 class Backoff:

@@ -26,6 +26,7 @@ from typing import Any
 from agent.channel import ProgressChannel
 from agent.client import Backoff, MasterClient, MasterError, MasterRejectedError, MasterUnreachableError
 from agent.envcontract import worker_envs
+from agent.errors import EXIT_CONFIG, EXIT_FAILED, AgentError
 from agent.health import HealthMixin
 from agent.net import free_port
 from agent.settings import AgentSettings
@@ -48,16 +49,6 @@ from elastic.protocol import (
 log = logging.getLogger("elastic.agent")
 
 LONG_POLL_S = 20.0
-EXIT_FAILED = 1
-EXIT_CONFIG = 2
-
-
-class AgentError(Exception):
-    """A problem the user can fix; the CLI prints it as one line."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class _NodeUnknownError(Exception):
@@ -67,6 +58,7 @@ class _NodeUnknownError(Exception):
 @dataclass
 class _Event:
     # assigned | finished | exit | command | signal | master_lost | node_unknown | hang | check_timeout
+    # | launcher_ready
     kind: str
     generation: int
     payload: Any = None
@@ -141,11 +133,29 @@ class ElasticAgent(HealthMixin):
 
     # -- the loop ---------------------------------------------------------------------------------
     def _rounds(self) -> int:
+        warm_up_s = self.group.launcher_warm_up_left_s()
+        if warm_up_s > 0:
+            # Join once the zygote has imported torch, not before: a join opens a round that stops the
+            # running nodes' workers, and this node's workers could only start when the zygote is ready
+            # (an exec'd worker would import torch from scratch, which is never faster). So the running
+            # nodes keep training while this node warms up.
+            log.info("joining once the warm-start zygote has imported torch (at most %.0fs)", warm_up_s)
+            self.generation += 1
+            threading.Thread(
+                target=self._await_launcher, args=(self.generation, warm_up_s), name="warm-wait", daemon=True
+            ).start()
+            event = self._next_event()
+            if event.kind == "signal":
+                log.warning("received %s before joining; exiting", signal.Signals(event.payload).name)
+                return 128 + event.payload
+            if event.kind == "master_lost":
+                raise AgentError(event.payload)
         after = 0
         while True:
             self.generation += 1
             self.view = _NodeView()
             joined = self._join()
+            log.info("joined: waiting for round %d (master %s)", joined.round, joined.master_id)
             if joined.round <= after:
                 # Rounds only grow, so the master restarted without its state (memory store): wait for
                 # its rounds, not for a round past the last one we saw.
@@ -328,6 +338,10 @@ class ElasticAgent(HealthMixin):
             ),
             on_exit=lambda exit_: self.events.put(_Event("exit", generation, exit_)),
         )
+
+    def _await_launcher(self, generation: int, timeout: float) -> None:
+        self.group.wait_launcher(timeout)  # if it is still not ready, the group says so and execs
+        self.events.put(_Event("launcher_ready", generation))
 
     def _on_node_unknown(self) -> None:
         """The master answered 404 unknown_node for this node while it ran workers: it lost its state

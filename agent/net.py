@@ -51,3 +51,19 @@ def local_address_for(master_host: str) -> str:
             return sock.getsockname()[0]
         except OSError:
             return socket.getfqdn()
+
+
+def parse_addresses(text: str) -> list[str]:
+    """``HOST:PORT[,HOST:PORT...]`` → list of ``HOST:PORT`` (IPv6 as ``[::1]:PORT``)."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"master address must be HOST:PORT, got {part!r}")
+        out.append(part)
+    if not out:
+        raise ValueError("no master address given")
+    return out

@@ -38,8 +38,11 @@ the zygote's except for the variables the agent sets per worker (:data:`PER_WORK
 ``TORCHELASTIC_*``, ``ELASTIC_*``; ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads``): the
 interpreter and the preloaded modules read hundreds of variables when they start (``PYTHON*``, locale,
 ``TORCH*``, ``HOME``, ``TMPDIR``...), which a fork cannot re-read. elastic-run's workers always qualify:
-their environment is the agent's plus those variables. Otherwise, and while the zygote is still importing,
-or after it failed, the :class:`~agent.workers.WorkerGroup` uses exec and logs why.
+their environment is the agent's plus those variables. Otherwise, or after the zygote failed, the
+:class:`~agent.workers.WorkerGroup` uses exec and logs why. A start that comes while the zygote is still
+importing is worth delaying (:meth:`WarmLauncher.warm_up_left_s`): an exec'd worker would import torch from
+scratch, so waiting is never slower, and it leaves the node's other cores to the job. The agent waits
+(without blocking its event loop) for up to :data:`READY_WAIT_S` after the zygote's start, then execs.
 
 Linux only (pidfd, prctl, /proc). Like the rest of the agent, this module never imports torch.
 """
@@ -74,6 +77,9 @@ _ZYGOTE_SOURCE = Path(__file__).with_name("_zygote_proc.py")
 # Kept short: the zygote's argument area must not be longer than a worker's command line (see _filler).
 _BOOTSTRAP = "import os;exec(os.environ.pop('_EZ'))"
 _SPAWN_TIMEOUT_S = 10.0
+#: Seconds after the zygote's start during which a start waits for it instead of exec'ing: torch and
+#: torch._dynamo import in 3-5 s on a small idle machine, several times that on a loaded one.
+READY_WAIT_S = 60.0
 _CLOSE_TIMEOUT_S = 5.0
 # A spawn request is one datagram; the kernel limits its size (net.core.wmem_max, ~200 KiB by default).
 _SEND_BUFFER_BYTES = 4 * 1024 * 1024
@@ -202,6 +208,7 @@ class WarmLauncher(Launcher):
         argv_hint: list[str] | tuple[str, ...] | None = None,
         preload: tuple[str, ...] | None = None,
         spawn_timeout_s: float = _SPAWN_TIMEOUT_S,
+        ready_wait_s: float = READY_WAIT_S,
     ) -> None:
         """Start the zygote.
 
@@ -209,7 +216,8 @@ class WarmLauncher(Launcher):
         process's). ``argv_hint``: the worker command line, if known: the zygote's own command line is then
         sized so that a worker's ``/proc/<pid>/cmdline`` has no padding. ``preload``: the modules to import
         (default: ``$ELASTIC_WARM_PRELOAD``, else :data:`DEFAULT_PRELOAD`). ``reaper``: the zygote's process
-        group is registered with it (the workers' are registered by the group).
+        group is registered with it (the workers' are registered by the group). ``ready_wait_s``: how long
+        after the zygote's start a first start should wait for it rather than exec (:meth:`warm_up_left_s`).
         """
         if preload is None:
             from_env = os.environ.get(PRELOAD_ENV, "")
@@ -218,6 +226,7 @@ class WarmLauncher(Launcher):
         self._env = dict(os.environ if env is None else env)
         self._reaper = reaper
         self._spawn_timeout_s = spawn_timeout_s
+        self._ready_wait_s = ready_wait_s
         self._lock = threading.Lock()
         self._launch_lock = threading.Lock()  # one spawn request in flight at a time
         self._state = "starting"  # starting | ready | failed | closed
@@ -276,6 +285,18 @@ class WarmLauncher(Launcher):
         """Wait until the zygote is ready or failed; True when ready."""
         self._settled.wait(timeout)
         return self.ready
+
+    def warm_up_left_s(self) -> float:
+        # Waiting for the zygote is never slower than exec'ing: a fresh interpreter imports torch from the
+        # start, while the zygote is already part-way. Only a zygote stuck in its imports makes waiting a
+        # loss, hence the bound.
+        with self._lock:
+            if self._state != "starting":
+                return 0.0
+        return max(0.0, self._started_at + self._ready_wait_s - time.monotonic())
+
+    def wait_warm(self, timeout: float) -> bool:
+        return self._settled.wait(timeout)
 
     def unavailable_reason(self, spec: WorkerSpec) -> str | None:
         with self._lock:

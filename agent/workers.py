@@ -185,6 +185,15 @@ class Launcher:
         """Why this launcher cannot start ``spec``'s workers now, or None when it can."""
         return None
 
+    def warm_up_left_s(self) -> float:
+        """Seconds worth waiting for this launcher to become ready before falling back to exec: 0 when it
+        is ready, failed, or needs no warm-up."""
+        return 0.0
+
+    def wait_warm(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the warm-up to end (ready or failed); True when it ended."""
+        return True
+
     def launch(self, argv: list[str], env: dict[str, str], cwd: str | None) -> WorkerProcess:
         """Start one worker. Raises OSError/ValueError/SubprocessError if the command cannot be started,
         LauncherUnavailable if this launcher (not the command) failed before anything was started."""
@@ -286,6 +295,15 @@ class WorkerGroup:
         """PIDs of the workers of the last ``start()``, by local rank."""
         with self._lock:
             return [w.proc.pid for w in self._workers]
+
+    def launcher_warm_up_left_s(self) -> float:
+        """Seconds worth waiting before ``start()`` so that it can use the (still warming) launcher rather
+        than exec; 0 when there is nothing to wait for (see :meth:`Launcher.warm_up_left_s`)."""
+        return self._launcher.warm_up_left_s()
+
+    def wait_launcher(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the launcher's warm-up to end; True when it ended."""
+        return self._launcher.wait_warm(timeout)
 
     def running(self) -> list[int]:
         """Local ranks whose process has not exited yet."""

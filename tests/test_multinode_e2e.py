@@ -301,6 +301,11 @@ def test_node_started_later_is_admitted_and_training_continues_from_checkpoint(l
     late = cluster.agent("node-c", script)
     agents = [*first, late]
     late.wait_for(r"round 2: node rank 2 of 3", START_S)  # stable ranks: the newcomer is appended
+    # The newcomer joins (which stops the running nodes' workers) only once its zygote has imported torch,
+    # and its first workers are forked from it.
+    out = late.output()
+    assert out.index("warm start ready") < out.index("joined: waiting for round"), out
+    late.wait_for(r"started 1 workers \(attempt round2, warm\)", START_S)
     wait_for_any(agents, STEP_LINE.format(world=3), START_S)
     remember_workers(*agents)
     assert_succeeded(*agents)

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.warm import PER_WORKER_VARIABLES, WarmLauncher, env_difference, parse_command
+from agent.warm import PER_WORKER_VARIABLES, READY_WAIT_S, WarmLauncher, env_difference, parse_command
 from agent.workers import WorkerExit, WorkerGroup, WorkerSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -66,12 +66,13 @@ def write(path: Path, code: str) -> Path:
     return path
 
 
-def contract_envs(nproc: int = 2, **extra: str) -> list[dict[str, str]]:
-    """torchrun's worker environments, built from BASE_ENV by the agent's own code."""
+def contract_envs(nproc: int = 2, assignment: dict | None = None, **extra: str) -> list[dict[str, str]]:
+    """torchrun's worker environments, built from BASE_ENV by the agent's own code: by default those of node
+    rank 1 of 2 in round 3; ``assignment`` overrides fields of that round."""
     from agent.envcontract import worker_envs
     from elastic.protocol import Assignment
 
-    assignment = Assignment(
+    fields: dict = dict(
         round=3,
         node_rank=1,
         nnodes=2,
@@ -83,8 +84,9 @@ def contract_envs(nproc: int = 2, **extra: str) -> list[dict[str, str]]:
         max_restarts=5,
         members=["a", "b"],
     )
+    fields.update(assignment or {})
     return worker_envs(
-        BASE_ENV, assignment, nproc, run_id="warm-test", extra={"ELASTIC_NODE_ID": "b", **extra}
+        BASE_ENV, Assignment(**fields), nproc, run_id="warm-test", extra={"ELASTIC_NODE_ID": "b", **extra}
     )
 
 
@@ -466,6 +468,45 @@ def test_a_warm_restart_is_much_faster_than_exec(
     assert warm_s * 3 < exec_s, (warm_s, exec_s)
 
 
+STORE_RACE = """
+    import datetime, json, os, sys, time
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        time.sleep(1.0)  # rank 1 reaches init_process_group first: rank 0's store does not listen yet
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    create = sys.modules["torch.distributed.rendezvous"]._create_c10d_store
+    with open(os.environ["ELASTIC_TEST_OUT"].format(rank=rank), "w") as f:
+        json.dump({"sum": total.item(), "waits_for_store": hasattr(create, "__wrapped__")}, f)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rank_that_comes_first_waits_for_rank_0s_store(
+    mode: str, groups: Callable[[str], WorkerGroup], tmp_path: Path
+) -> None:
+    """Warm workers of non-zero rank wait for rank 0's TCPStore to listen (torch's own retry would sleep
+    up to 0.7 s); the process group still forms as it does for exec'd workers, which torch handles alone."""
+    from agent.net import free_port
+
+    single_node = dict(node_rank=0, nnodes=1, rank_offset=0, world_size=2, members=["a"])
+    out = str(tmp_path / "rank{rank}.json")
+    envs = contract_envs(
+        assignment={**single_node, "master_port": free_port("127.0.0.1")}, ELASTIC_TEST_OUT=out
+    )
+    script = write(tmp_path / "store_race.py", STORE_RACE)
+    spec = WorkerSpec(argv=[PY, "-u", str(script)], envs=envs, global_ranks=[0, 1])
+    assert [e.returncode for e in run(groups(mode), spec, mode)] == [0, 0]
+    results = [json.loads(Path(out.format(rank=r)).read_text()) for r in (0, 1)]
+    assert results == [{"sum": 2.0, "waits_for_store": mode == "warm"}] * 2
+
+
 @pytest.mark.timeout(120)
 def test_stop_ends_warm_workers_and_the_zygote_serves_the_next_start(
     groups: Callable[[str], WorkerGroup], tmp_path: Path, zygote: WarmLauncher
@@ -530,12 +571,15 @@ def test_fallback_to_exec_before_the_zygote_is_ready_and_after_it_died(
     leftovers.append(launcher.pid)
     group = WorkerGroup(launcher=launcher)
     try:
-        group.start(spec)  # the zygote is still importing torch
+        # Still importing torch: worth waiting for (the agent does so before it joins), up to a bound.
+        assert 0 < group.launcher_warm_up_left_s() <= READY_WAIT_S
+        group.start(spec)  # a start that does not wait is exec'd
         assert group.launched_by == "exec"
         assert any("not ready yet" in r.getMessage() for r in caplog.records)
         group.stop(grace_s=1)
 
         assert launcher.wait_ready(ZYGOTE_READY_TIMEOUT_S)
+        assert group.launcher_warm_up_left_s() == 0
         messages = [r.getMessage() for r in caplog.records]
         assert any("imported torch, torch._dynamo (torch" in m for m in messages), messages
         assert any("not preloaded: no_such_module_for_this_test" in m for m in messages), messages
