@@ -132,6 +132,7 @@ class Job:
         self.stragglers = StragglerTracker(settings.straggler_factor)
         self.node_check = NodeCheck(settings.node_check, settings.node_check_factor)
         self.excluded_nodes: dict[str, NodeInfo] = {}  # by the node check; kept for the status view
+        self.removed_count = 0  # nodes ever removed (dead, left, excluded): part of long_poll_key()
 
     # -- requests ---------------------------------------------------------------------------------
     def info(self) -> JobInfo:
@@ -274,6 +275,19 @@ class Job:
         self._advance(now)
 
     # -- views ------------------------------------------------------------------------------------
+    def long_poll_key(self) -> tuple:
+        """A value that changes whenever :meth:`next_round` or :meth:`watch` may answer differently for
+        some node: a round opened or closed, a node removed or excluded, the job finished. Joins of
+        nodes that wait and heartbeats that only report progress leave it alone, so that the master does
+        not wake every pending long-poll of a large job on each of them (O(N^2) wake-ups)."""
+        return (
+            self.outcome is not None,
+            self.rdzv.round,
+            self.rdzv.phase,
+            self.removed_count,
+            len(self.node_check.excluded),
+        )
+
     def status(self, now: float) -> JobStatus:
         current = self.rdzv.current
         active = self.rdzv.phase is Phase.ACTIVE and current is not None
@@ -546,6 +560,7 @@ class Job:
         node = self.nodes.pop(node_id, None)
         if node is None:
             return
+        self.removed_count += 1
         self._event(now, kind, why)
         self._attribute_failure_to_loss(node_id, now)
         if not was_member or self.outcome is not None:

@@ -52,7 +52,8 @@ class ApiError(Exception):
 
 
 class Notifier:
-    """Wakes every waiter when job state changes (a broadcast, unlike a single asyncio.Event)."""
+    """Wakes every waiter (a broadcast, unlike a single asyncio.Event); notified only when a long-poll's
+    answer may have changed (:meth:`master.job.Job.long_poll_key`)."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
@@ -83,6 +84,7 @@ class MasterService:
         self._notifier: Notifier | None = None
         self._logged_events = 0
         self._seen_version = -1
+        self._seen_poll_key: tuple | None = None
         self._dirty: asyncio.Event | None = None
         self._lost: asyncio.Event | None = None
 
@@ -113,7 +115,10 @@ class MasterService:
             self._seen_version = job.version
             if self._dirty is not None:
                 self._dirty.set()
-            self.notifier.notify()
+        poll_key = job.long_poll_key()
+        if poll_key != self._seen_poll_key:
+            self._seen_poll_key = poll_key
+            self.notifier.notify()  # only then can a pending long-poll's answer have changed
 
     def tick(self) -> None:
         # No verdicts from a term that may be over (e.g. "every node dead" right after a freeze).
@@ -142,6 +147,7 @@ class MasterService:
                 else Job(job_settings, now, self.master_id)
             )
             self._logged_events = self.job.event_count - 1 if snapshot else 0
+            self._seen_poll_key = None
             log.info(
                 "master %s leads job %s (store %s)",
                 self.master_id,

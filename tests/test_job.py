@@ -331,6 +331,52 @@ def test_a_waiting_node_that_dies_does_not_disturb_the_running_round():
     assert job.rdzv.round == 1 and job.rdzv.phase is Phase.ACTIVE
 
 
+def long_poll_answers(job: Job, node_ids: str) -> list:
+    """What every node's pending /round (after each round so far) and /watch long-polls would answer now."""
+    out = []
+    for node_id in node_ids:
+        for call, arg in [(job.next_round, r) for r in range(job.rdzv.round + 1)] + [
+            (job.watch, r) for r in range(job.rdzv.round + 1)
+        ]:
+            try:
+                out.append(call(node_id, arg))
+            except Exception as exc:  # noqa: BLE001 - the error is the answer
+                out.append(type(exc).__name__)
+    return out
+
+
+def test_long_poll_key_changes_whenever_a_long_poll_answer_may():
+    """The master wakes pending long-polls only when ``long_poll_key()`` changes: every step that changes
+    an answer must change the key, and joins of waiting nodes and progress heartbeats must not."""
+    job = make_job(min_nodes=2, max_nodes=5)
+    # (what, step, whether the key must change, the node making the request: its own answers may change,
+    # as it has no long-poll pending while it makes it)
+    t = 3.0 + 2 * LAST_CALL  # after round 2 opened
+    steps = [
+        ("a joins", lambda: join(job, 0.0, "a"), False, "a"),
+        ("b joins", lambda: join(job, 0.1, "b"), False, "b"),
+        ("last call ends: round 1 closes", lambda: job.tick(LAST_CALL + 0.2), True, ""),
+        ("a and b run", lambda: [beat(job, n, 2.5) for n in "ab"], False, ""),
+        ("c joins (growth after the last call)", lambda: join(job, 3.0, "c"), False, "c"),
+        ("progress heartbeats", lambda: [beat(job, n, 3.5) for n in "abc"], False, ""),
+        ("growth opens round 2", lambda: job.tick(3.0 + LAST_CALL + 0.1), True, ""),
+        ("a rejoins", lambda: join(job, t, "a"), False, "a"),
+        ("b rejoins: the previous members are back, round 2 closes", lambda: join(job, t, "b"), True, "b"),
+        ("all run", lambda: [beat(job, n, t + LAST_CALL) for n in "abc"], False, ""),
+        ("d joins (growth pending)", lambda: join(job, t + LAST_CALL, "d"), False, "d"),
+        ("members beat, d goes silent", lambda: [beat(job, n, t + HB_TIMEOUT) for n in "abc"], False, ""),
+        ("d declared dead", lambda: job.tick(t + LAST_CALL + HB_TIMEOUT + 0.1), True, ""),
+        ("c fails", lambda: beat(job, "c", t + 7, state=NodeState.FAILED, failure=crash()), True, "c"),
+    ]
+    for what, step, changes, requester in steps:
+        others = "".join(n for n in "abcd" if n != requester)
+        key, before = job.long_poll_key(), long_poll_answers(job, others)
+        step()
+        assert (job.long_poll_key() != key) is changes, what
+        if not changes:
+            assert long_poll_answers(job, others) == before, f"{what}: an answer changed but the key did not"
+
+
 # -- leaving ---------------------------------------------------------------------------------------------
 def test_orderly_leave_is_a_membership_change():
     job = make_job(min_nodes=1, max_nodes=2)
