@@ -108,8 +108,12 @@ class ElasticAgent(HealthMixin):
     def run(self) -> int:
         self._check_job_settings()
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
         try:
+            signum = self._await_warm_start()
+            if signum is not None:
+                log.warning("received %s before joining; exiting", signal.Signals(signum).name)
+                return 128 + signum
+            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
             return self._rounds()
         finally:
             self._closing.set()
@@ -132,24 +136,24 @@ class ElasticAgent(HealthMixin):
         self._check_health_settings(info)
 
     # -- the loop ---------------------------------------------------------------------------------
-    def _rounds(self) -> int:
+    def _await_warm_start(self) -> int | None:
+        """Wait until the warm-start zygote has imported torch (bounded); a signal number if one came.
+
+        A node joins only then: a join opens a round that stops the running nodes' workers, and this node's
+        workers could start only once the zygote is ready (an exec'd worker would import torch from
+        scratch, which is never faster). So the running nodes keep training while this node warms up."""
         warm_up_s = self.group.launcher_warm_up_left_s()
-        if warm_up_s > 0:
-            # Join once the zygote has imported torch, not before: a join opens a round that stops the
-            # running nodes' workers, and this node's workers could only start when the zygote is ready
-            # (an exec'd worker would import torch from scratch, which is never faster). So the running
-            # nodes keep training while this node warms up.
-            log.info("joining once the warm-start zygote has imported torch (at most %.0fs)", warm_up_s)
-            self.generation += 1
-            threading.Thread(
-                target=self._await_launcher, args=(self.generation, warm_up_s), name="warm-wait", daemon=True
-            ).start()
-            event = self._next_event()
-            if event.kind == "signal":
-                log.warning("received %s before joining; exiting", signal.Signals(event.payload).name)
-                return 128 + event.payload
-            if event.kind == "master_lost":
-                raise AgentError(event.payload)
+        if warm_up_s <= 0:
+            return None
+        log.info("joining once the warm-start zygote has imported torch (at most %.0fs)", warm_up_s)
+        self.generation += 1
+        threading.Thread(
+            target=self._await_launcher, args=(self.generation, warm_up_s), name="warm-wait", daemon=True
+        ).start()
+        event = self._next_event()  # launcher_ready or a signal: nothing else runs yet
+        return event.payload if event.kind == "signal" else None
+
+    def _rounds(self) -> int:
         after = 0
         while True:
             self.generation += 1

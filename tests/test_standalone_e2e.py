@@ -358,7 +358,9 @@ def test_sigkill_of_elastic_run_leaves_no_training_workers(launch, tmp_path):
         name="run",
     )
     proc.wait_for(r"^\[rank0\]:step=2 ", RUN_TIMEOUT_S)
-    assert len(proc.worker_pids()) == 2  # also records every descendant
+    assert "started 2 workers (attempt round1, warm)" in proc.output()  # forked from the zygote
+    assert len(proc.worker_pids()) == 2  # also records every descendant (zygote and reaper included)
+    assert proc.worker_pids("warm-start zygote"), "the zygote is not among the descendants"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
     wait_no_survivors(proc, 5.0)
@@ -399,6 +401,19 @@ def test_signal_stops_workers_within_grace(launch, tmp_path, sig):
     assert code == 128 + sig, proc.output()[-4000:]
     # Workers that obey SIGTERM end at once: the agent must not sit out the grace period.
     assert elapsed < grace, f"exit took {elapsed:.1f}s (grace {grace}s)"
+    wait_no_survivors(proc, 5.0)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_while_the_zygote_imports_torch_exits_before_joining(launch, tmp_path):
+    script = write_script(tmp_path, "sleeper.py", SLEEPER)
+    proc = launch(elastic_run_argv(*TWO_WORKERS, str(script)), name="run")
+    proc.wait_for(r"joining once the warm-start zygote has imported torch", RUN_TIMEOUT_S)
+    proc.descendants()  # remember the zygote and the reaper
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM, proc.output()[-4000:]
+    assert "received SIGTERM before joining; exiting" in proc.output()
+    assert "node_joined" not in proc.output() and "started 2 workers" not in proc.output()
     wait_no_survivors(proc, 5.0)
 
 
@@ -461,10 +476,12 @@ def test_bad_input_is_a_one_line_error(args):
 # -- 7. the worker environment contract ---------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_env_contract_of_training_workers(launch, tmp_path):
+@pytest.mark.parametrize("mode", ["warm", "exec"])
+def test_env_contract_of_training_workers(launch, tmp_path, mode):
     proc = launch(
         elastic_run_argv(
             *TWO_WORKERS,
+            *(["--no-warm-start"] if mode == "exec" else []),
             "--max-restarts",
             "5",
             "--rdzv-id",
@@ -480,6 +497,7 @@ def test_env_contract_of_training_workers(launch, tmp_path):
         name="run",
     )
     assert proc.wait(RUN_TIMEOUT_S) == 0, proc.output()[-4000:]
+    assert f"started 2 workers (attempt round1, {mode})" in proc.output()
     envs = read_env_dumps(tmp_path, 2)
     # base_env() removes OMP_NUM_THREADS: unset and nproc > 1 gives 1, as torchrun.
     check_contract(envs, nproc=2, max_restarts=5, run_id="contract-job-7")
