@@ -270,31 +270,6 @@ CONTEXT = {
     "or in disk sleep this long, is hung: its stack is recorded and the world restarts. 0: off.",
 )
 @click.option(
-    "--node-check",
-    type=click.Choice(ms.NODE_CHECK_MODES),
-    default="off",
-    show_default=True,
-    is_flag=False,
-    flag_value="on",
-    help="Embedded master: before the first round, check every node (matmul, allreduce in pairs); 'on' "
-    "(or no value) excludes failed or slow nodes, 'warn' only reports them. Right before the script, "
-    "write --node-check=on. With elastic-master, set it there.",
-)
-@click.option(
-    "--node-check-factor",
-    type=click.FloatRange(min=1, min_open=True),
-    default=ms.DEFAULT_NODE_CHECK_FACTOR,
-    show_default=True,
-    help="Embedded master: a node whose check figures exceed this many times the median counts as slow.",
-)
-@click.option(
-    "--straggler-factor",
-    type=click.FloatRange(min=1, min_open=True),
-    default=ms.DEFAULT_STRAGGLER_FACTOR,
-    show_default=True,
-    help="Embedded master: flag a node whose step time exceeds this many times the nodes' median.",
-)
-@click.option(
     "--no-warm-start",
     "no_warm_start",
     is_flag=True,

@@ -46,30 +46,6 @@ def _resolve_token(token_file: str | None) -> str:
     help="Job-wide restarts after worker failures (membership changes are free).",
 )
 @click.option(
-    "--straggler-factor",
-    type=click.FloatRange(min=1, min_open=True),
-    default=ms.DEFAULT_STRAGGLER_FACTOR,
-    show_default=True,
-    help="Flag a node whose step time is more than this many times the nodes' median (status, events).",
-)
-@click.option(
-    "--node-check",
-    type=click.Choice(ms.NODE_CHECK_MODES),
-    default="off",
-    show_default=True,
-    is_flag=False,
-    flag_value="on",
-    help="Before the first round, check every node (matmul, allreduce in pairs): 'on' (or no value) "
-    "excludes failed or slow nodes, 'warn' only reports them.",
-)
-@click.option(
-    "--node-check-factor",
-    type=click.FloatRange(min=1, min_open=True),
-    default=ms.DEFAULT_NODE_CHECK_FACTOR,
-    show_default=True,
-    help="A node whose check figures exceed this many times the nodes' median counts as slow.",
-)
-@click.option(
     "--token-file",
     type=click.Path(dir_okay=False),
     default=None,

@@ -59,8 +59,6 @@ class JobSettings:
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     max_restarts: int = DEFAULT_MAX_RESTARTS
-    #: How long a worker may report no progress before it is declared hung (0 = off).
-    hang_timeout_s: float = 0.0
     rejoin_timeout_s: float = DEFAULT_REJOIN_TIMEOUT_S
     straggler_factor: float = DEFAULT_STRAGGLER_FACTOR
     node_check: str = "off"
@@ -77,9 +75,8 @@ class JobSettings:
             raise SettingsError(f"--node-unit {self.node_unit} exceeds the maximum of {self.max_nodes} nodes")
         if self.max_restarts < 0:
             raise SettingsError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        for name in ("last_call_s", "hang_timeout_s"):
-            if getattr(self, name) < 0:
-                raise SettingsError(f"{name} must be >= 0")
+        if self.last_call_s < 0:
+            raise SettingsError("last_call_s must be >= 0")
         for name in ("join_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "rejoin_timeout_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be > 0")
