@@ -236,6 +236,23 @@ class Job:
         self._remove(node_id, f"node {node_id} left" + (f" ({reason})" if reason else ""), "node_left", now)
         self._advance(now)
 
+    def connection_lost(self, node_id: str, now: float) -> None:
+        """A node's agent closed a long-poll before the answer. Its process most likely died (the kernel
+        closes a dead process's connections): unless it heartbeats within two heartbeat intervals it is
+        declared dead then, not only after the whole heartbeat timeout. A machine that vanishes closes
+        nothing; the heartbeat timeout still covers it."""
+        if self.outcome is not None or node_id not in self.nodes or node_id in self._succeeded:
+            return
+        s = self.settings
+        within = min(2 * s.heartbeat_interval_s, s.heartbeat_timeout_s)
+        self.liveness.suspect(node_id, now, within)
+        self._event(
+            now,
+            "node_suspect",
+            f"node {node_id} closed its connection to the master; declared dead unless it heartbeats "
+            f"within {within:g}s",
+        )
+
     def watch(self, node_id: str, node_round: int) -> CommandReply:
         """:meth:`command_for` for a node's watch long-poll. A node this master does not know gets
         :class:`UnknownNodeError`, as its heartbeat does: a master restarted without a durable store (or
@@ -267,8 +284,9 @@ class Job:
             return
         for node_id in self.liveness.dead(now):
             age = self.liveness.age(node_id, now)
+            why = " after closing its connection" if self.liveness.suspected(node_id) else ""
             self._remove(
-                node_id, f"node {node_id} declared dead (no heartbeat for {age:.1f}s)", "node_dead", now
+                node_id, f"node {node_id} declared dead (no heartbeat for {age:.1f}s{why})", "node_dead", now
             )
             if self.outcome is not None:
                 return

@@ -186,15 +186,39 @@ class MasterService:
                 )
                 self._lost.set()
 
-    async def long_poll(self, probe: Callable[[], T | None], timeout: float) -> T | None:
-        """Return ``probe()`` as soon as it is not None, or None after ``timeout`` (capped)."""
+    async def long_poll(
+        self,
+        probe: Callable[[], T | None],
+        timeout: float,
+        request: Request | None = None,
+        on_client_gone: Callable[[], None] | None = None,
+    ) -> T | None:
+        """Return ``probe()`` as soon as it is not None, or None after ``timeout`` (capped). With
+        ``request``, a client that disconnects ends the poll at once and ``on_client_gone`` is called."""
         deadline = self.clock() + min(max(timeout, 0.0), LONG_POLL_CAP_S)
-        while True:
-            result = probe()
-            remaining = deadline - self.clock()
-            if result is not None or remaining <= 0:
-                return result
-            await self.notifier.wait(remaining)
+        gone = asyncio.ensure_future(_disconnected(request)) if request is not None else None
+        try:
+            while True:
+                result = probe()
+                remaining = deadline - self.clock()
+                if result is not None or remaining <= 0:
+                    return result
+                change = asyncio.ensure_future(self.notifier.wait(remaining))
+                await asyncio.wait({change, gone} - {None}, return_when=asyncio.FIRST_COMPLETED)
+                if gone is not None and gone.done():
+                    change.cancel()
+                    if on_client_gone is not None:
+                        on_client_gone()
+                    return None
+        finally:
+            if gone is not None:
+                gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client of ``request`` (whose body was read) has disconnected."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class Gatekeeper:
@@ -229,26 +253,26 @@ class Gatekeeper:
         while more:
             message = await receive()
             if message["type"] != "http.request":
-                return await self.app(scope, _replay(message), send)  # client went away
+                return await self.app(scope, _replay(message, receive), send)  # client went away
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.limit:
                 return await _reply(send, 413, "body_too_large", f"request body exceeds {self.limit} bytes")
-        return await self.app(scope, _replay({"type": "http.request", "body": bytes(body)}), send)
+        return await self.app(scope, _replay({"type": "http.request", "body": bytes(body)}, receive), send)
 
 
-def _replay(first: dict):
-    """An ASGI ``receive`` that yields ``first`` once, then waits for the disconnect like a real one."""
+def _replay(first: dict, receive):
+    """An ASGI ``receive`` that yields ``first`` once, then the server's own messages (the disconnect)."""
     sent = False
 
-    async def receive():
+    async def replay():
         nonlocal sent
         if not sent:
             sent = True
             return first
-        await asyncio.Event().wait()  # never set: the server cancels us when the client disconnects
+        return await receive()
 
-    return receive
+    return replay
 
 
 async def _reply(send, status: int, code: str, message: str) -> None:
@@ -341,6 +365,11 @@ def create_app(service: MasterService) -> FastAPI:
         finally:
             service.changed()
 
+    def lost(node_id: str) -> None:
+        """A node's long-poll connection closed before the answer (see Job.connection_lost)."""
+        if service.job is not None and service.store.leading:
+            mutate(lambda: service.job.connection_lost(node_id, service.clock()))
+
     @app.get(f"{API_PREFIX}/info")
     async def info() -> JobInfo:
         return job().info()
@@ -351,11 +380,14 @@ def create_app(service: MasterService) -> FastAPI:
 
     @app.get(f"{API_PREFIX}/round")
     async def next_round(
+        request: Request,
         node_id: Annotated[str, Query(min_length=1, max_length=128)],
         after: Annotated[int, Query(ge=0)] = 0,
         timeout: Annotated[float, Query(ge=0, le=LONG_POLL_CAP_S)] = 10.0,
     ) -> RoundReply:
-        reply = await service.long_poll(lambda: job().next_round(node_id, after), timeout)
+        reply = await service.long_poll(
+            lambda: job().next_round(node_id, after), timeout, request, lambda: lost(node_id)
+        )
         return reply or RoundReply(status="waiting", round=job().rdzv.round)
 
     @app.post(f"{API_PREFIX}/heartbeat")
@@ -364,6 +396,7 @@ def create_app(service: MasterService) -> FastAPI:
 
     @app.get(f"{API_PREFIX}/watch")
     async def watch(
+        request: Request,
         node_id: Annotated[str, Query(min_length=1, max_length=128)],
         round: Annotated[int, Query(ge=0)],
         timeout: Annotated[float, Query(ge=0, le=LONG_POLL_CAP_S)] = 10.0,
@@ -374,7 +407,8 @@ def create_app(service: MasterService) -> FastAPI:
             reply = job().watch(node_id, round)
             return None if reply.command.value == "continue" else reply
 
-        return await service.long_poll(probe, timeout) or job().watch(node_id, round)
+        reply = await service.long_poll(probe, timeout, request, lambda: lost(node_id))
+        return reply or job().watch(node_id, round)
 
     @app.post(f"{API_PREFIX}/leave")
     async def leave(req: LeaveRequest) -> CommandReply:

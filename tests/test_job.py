@@ -377,6 +377,38 @@ def test_long_poll_key_changes_whenever_a_long_poll_answer_may():
             assert long_poll_answers(job, others) == before, f"{what}: an answer changed but the key did not"
 
 
+def test_a_node_whose_connection_closed_is_dead_after_two_intervals_unless_it_beats():
+    job = make_job(min_nodes=1, max_nodes=2)
+    running(job, 0.0, "a", "b")
+    mark = job.event_count
+    job.connection_lost("a", 1.0)
+    job.connection_lost("b", 1.0)
+    job.connection_lost("zz", 1.0)  # not a node of the job: nothing to do
+    assert new_kinds(job, mark) == ["node_suspect", "node_suspect"]
+    beat(job, "b", 2.0)  # b lives
+    job.tick(3.0)
+    assert "a" in job.nodes, "not before two heartbeat intervals"
+    mark = job.event_count
+    job.tick(3.01)
+    assert new_kinds(job, mark) == ["node_dead", "round_opened"]
+    assert "after closing its connection" in job.events[-2].message
+    assert set(job.nodes) == {"b"}
+
+
+def test_a_closed_connection_of_a_finished_node_or_job_is_not_suspect():
+    job = make_job(min_nodes=1, max_nodes=2)
+    running(job, 0.0, "a", "b")
+    beat(job, "a", 1.0, state=NodeState.SUCCEEDED)
+    mark = job.event_count
+    job.connection_lost("a", 1.5)  # its agent exits after success
+    assert new_kinds(job, mark) == []
+    beat(job, "b", 2.0, state=NodeState.SUCCEEDED)
+    assert job.outcome is not None and job.outcome.succeeded
+    mark = job.event_count
+    job.connection_lost("b", 2.5)
+    assert new_kinds(job, mark) == []
+
+
 # -- leaving ---------------------------------------------------------------------------------------------
 def test_orderly_leave_is_a_membership_change():
     job = make_job(min_nodes=1, max_nodes=2)

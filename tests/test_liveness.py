@@ -80,3 +80,29 @@ def test_grace_suppresses_verdicts_until_it_ends_even_for_nodes_seen_after_it():
     assert live.dead(TIMEOUT + 0.5) == ["late"]
     live.beat("late", TIMEOUT + 0.5)
     assert live.dead(TIMEOUT + 1.5) == ["later"]
+
+
+def test_a_suspect_is_dead_at_its_earlier_deadline_unless_it_beats():
+    live = Liveness(TIMEOUT)
+    for node_id in "abc":
+        live.beat(node_id, 0.0)
+    live.suspect("a", 1.0, 2.0)
+    live.suspect("b", 1.0, 2.0)
+    live.suspect("c", 1.0, 10.0)  # never later than the timeout
+    live.suspect("zz", 1.0, 2.0)  # unknown: ignored
+    assert live.suspected("a") and not live.suspected("zz")
+    live.beat("b", 2.5)  # alive after all: the suspicion is lifted
+    assert not live.suspected("b")
+    assert live.dead(3.0) == []
+    assert live.dead(3.001) == ["a"]
+    assert live.dead(TIMEOUT + 0.001) == ["a", "c"]
+    assert live.dead(2.5 + TIMEOUT + 0.001) == ["a", "c", "b"]
+
+
+def test_a_grace_period_lifts_suspicions():
+    live = Liveness(TIMEOUT)
+    live.beat("a", 0.0)
+    live.suspect("a", 0.0, 1.0)
+    live.grant_grace(0.5)
+    assert not live.suspected("a")
+    assert live.dead(0.5 + TIMEOUT) == []

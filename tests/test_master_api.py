@@ -9,6 +9,7 @@ started is left.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -369,6 +370,53 @@ def test_watch_returns_rejoin_as_soon_as_another_nodes_failure_opens_a_round(
     assert (watched.command, watched.round) == (Command.REJOIN, 2)
     assert elapsed < PROMPT_S, f"the watch returned {elapsed:.2f}s after the failure"
     assert client.status().restart_count == 1
+
+
+def open_watch(master: EmbeddedMaster, node_id: str, round_: int) -> socket.socket:
+    """Send a watch long-poll on a raw socket and leave it pending (closing the socket drops it)."""
+    host, port = master.address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    headers = "".join(f"{k}: {v}\r\n" for k, v in AUTH.items())
+    target = f"/v1/watch?node_id={node_id}&round={round_}&timeout={LONG_POLL_S}"
+    sock.sendall(f"GET {target} HTTP/1.1\r\nHost: {master.address}\r\n{headers}\r\n".encode())
+    return sock
+
+
+def test_a_node_whose_long_poll_connection_closes_is_dead_after_two_heartbeat_intervals(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+):
+    """An agent that dies closes its connections: the master declares its node dead after two heartbeat
+    intervals without a heartbeat, not after the whole heartbeat timeout. A live node whose connection
+    closes keeps heartbeating and stays."""
+    interval = 0.5
+    master = api.start(min_nodes=2, max_nodes=2, heartbeat_interval_s=interval, heartbeat_timeout_s=60.0)
+    client = api.client(master)
+    client.join(join_req("a"))
+    client.join(join_req("b", store_port=29502))
+    for node_id in ("a", "b"):
+        client.heartbeat(HeartbeatRequest(node_id=node_id, round=1, state=NodeState.RUNNING))
+    probed = spy(monkeypatch, master.service.job, "command_for")
+    for node_id in ("a", "b"):
+        probed.clear()
+        sock = open_watch(master, node_id, 1)
+        assert probed.wait(10), "the watch never reached the master"
+        sock.close()
+    dropped_at = time.monotonic()
+
+    def kinds() -> list[str]:
+        return [e.kind for e in master.service.job.events]
+
+    # "a" lives on (heartbeats); "b" died with its connection.
+    while "node_dead" not in kinds():
+        client.heartbeat(HeartbeatRequest(node_id="a", round=1, state=NodeState.RUNNING))
+        assert time.monotonic() - dropped_at < 20, f"no node declared dead; events {kinds()}"
+        time.sleep(interval / 2)
+    dead = [e.message for e in master.service.job.events if e.kind == "node_dead"]
+    assert len(dead) == 1 and dead[0].startswith("node b declared dead"), dead
+    assert "after closing its connection" in dead[0]
+    assert kinds().count("node_suspect") == 2
+    status = client.status()
+    assert [n.node_id for n in status.nodes] == ["a"], status
 
 
 # -- OpenAPI ---------------------------------------------------------------------------------------------
