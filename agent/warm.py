@@ -24,15 +24,17 @@ exception's traceback and exit 1, KeyboardInterrupt -> death by SIGINT) and ``/p
 
 What stays different, by nature of a fork: a worker of non-zero rank waits until rank 0's TCPStore listens
 before torch connects to it (the zygote wraps ``torch.distributed.rendezvous._create_c10d_store``; torch's own
-retry sleeps up to 0.7 s, an exec'd worker is left to it); ``sys.modules`` already holds the preloaded
-modules, with what they did when imported (two logging-only atexit callbacks; torch._dynamo sets
-``TORCHINDUCTOR_CACHE_DIR`` in ``os.environ``, as it does in any worker that builds an optimizer); ``hash()``
-randomization (the str hash secret) is the zygote's, shared by all warm workers (set ``PYTHONHASHSEED`` to
-control it; it must then be the same for agent and workers); the parent is the zygote (``os.getppid()``);
-resource limits, CPU affinity and nice value are the agent's at zygote start; module-level values that a
-preloaded module derived from the cwd at import are the zygote's cwd's (multiprocessing's ORIGINAL_DIR and
-dynamo's debug_dir_root are recomputed; elastic-run runs workers in the agent's cwd, which is the zygote's).
-CUDA is initialized only in the worker (the zygote never touches it), so device selection works as usual.
+retry sleeps up to 0.7 s, an exec'd worker is left to it); the objects the preloading created are frozen
+(``gc.freeze()``, so no collection scans them or copies their pages; ``gc.get_freeze_count()`` is not 0);
+``sys.modules`` already holds the preloaded modules, with what they did when imported (two logging-only atexit
+callbacks; torch._dynamo sets ``TORCHINDUCTOR_CACHE_DIR`` in ``os.environ``, as it does in any worker that
+builds an optimizer); ``hash()`` randomization (the str hash secret) is the zygote's, shared by all warm
+workers (set ``PYTHONHASHSEED`` to control it; it must then be the same for agent and workers); the parent is
+the zygote (``os.getppid()``); resource limits, CPU affinity and nice value are the agent's at zygote start;
+module-level values that a preloaded module derived from the cwd at import are the zygote's cwd's
+(multiprocessing's ORIGINAL_DIR and dynamo's debug_dir_root are recomputed; elastic-run runs workers in the
+agent's cwd, which is the zygote's). CUDA is initialized only in the worker (the zygote never touches it), so
+device selection works as usual.
 
 Only plain ``python [-u] script args`` and ``python [-u] -m module args`` commands with the interpreter the
 zygote runs (the agent's ``sys.executable``) are started warm, and only when the worker's environment is
