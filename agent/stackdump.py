@@ -16,6 +16,9 @@ worker group's error folder (a temporary folder; the agent also logs the stack i
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import os
 import shutil
 import signal
@@ -97,7 +100,7 @@ def _faulthandler(pid: int, global_rank: int, stack_file: Path, timeout_s: float
     if not catches_signal(pid, STACK_SIGNAL):
         return StackDump(global_rank, pid, None, "", "", f"the worker does not handle {STACK_SIGNAL.name}")
     try:
-        os.kill(pid, STACK_SIGNAL)
+        _signal_main_thread(pid, STACK_SIGNAL)
         os.kill(pid, signal.SIGCONT)  # a stopped worker runs the handler only once continued
     except ProcessLookupError:
         return StackDump(global_rank, pid, None, "", "", "the worker exited")
@@ -120,6 +123,25 @@ def _faulthandler(pid: int, global_rank: int, stack_file: Path, timeout_s: float
     if not text:
         return StackDump(global_rank, pid, None, "", "", f"no dump within {timeout_s:g}s")
     return StackDump(global_rank, pid, stack_file, "faulthandler", text)
+
+
+def _signal_main_thread(pid: int, sig: signal.Signals) -> None:
+    """Send ``sig`` to the main thread of ``pid`` (tgkill), not to the process.
+
+    The kernel hands a process-directed signal to any thread that wants it, and a stopped main thread does
+    not: faulthandler then runs on a native thread (gloo's, OpenMP's) and walks the main thread's frames
+    while it runs again, which can cut the stack short. On the main thread it dumps a consistent stack."""
+    tgkill = getattr(_libc(), "tgkill", None)  # glibc >= 2.30
+    if tgkill is None or tgkill(pid, pid, int(sig)) != 0:
+        err = ctypes.get_errno() if tgkill is not None else 0
+        if err == errno.ESRCH:
+            raise ProcessLookupError(err, os.strerror(err))
+        os.kill(pid, sig)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def dump_stack(pid: int, global_rank: int, stack_file: Path, timeout_s: float = DUMP_TIMEOUT_S) -> StackDump:
