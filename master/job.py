@@ -35,6 +35,8 @@ from master.settings import JobSettings
 from master.stragglers import StragglerTracker, node_pace
 
 EXIT_FAILED = 1
+#: Seconds between two computations of the job-wide aggregates (committed step, stragglers) in tick().
+AGGREGATE_PERIOD_S = 0.5
 
 
 class JobError(Exception):
@@ -133,6 +135,7 @@ class Job:
         self.node_check = NodeCheck(settings.node_check, settings.node_check_factor)
         self.excluded_nodes: dict[str, NodeInfo] = {}  # by the node check; kept for the status view
         self.removed_count = 0  # nodes ever removed (dead, left, excluded): part of long_poll_key()
+        self._aggregates_at = float("-inf")  # when _refresh_aggregates() last ran
 
     # -- requests ---------------------------------------------------------------------------------
     def info(self) -> JobInfo:
@@ -209,13 +212,11 @@ class Job:
             self.liveness.beat(req.node_id, now)
         node.workers = list(req.workers)
         if req.ckpt_step is not None and req.round == self.rdzv.round:
-            node.ckpt_step = req.ckpt_step
-            self._update_committed_step()
+            node.ckpt_step = req.ckpt_step  # the committed step follows in tick() (_refresh_aggregates)
         current_round = req.round == self.rdzv.round and self.rdzv.is_member(req.node_id)
         if current_round and node.state != req.state:
             node.state, node.round = req.state, req.round
             self.version += 1
-        self._update_stragglers(now)
         if current_round and req.state is NodeState.FAILED and self.outcome is None:
             self._on_failure(node, req.failure, now)
         elif current_round and req.node_check is not None and self.outcome is None:
@@ -282,6 +283,8 @@ class Job:
         """Apply every time-driven transition: dead nodes, round close, growth, join timeout."""
         if self.outcome is not None:
             return
+        if now - self._aggregates_at >= AGGREGATE_PERIOD_S:
+            self._refresh_aggregates(now)
         for node_id in self.liveness.dead(now):
             age = self.liveness.age(node_id, now)
             why = " after closing its connection" if self.liveness.suspected(node_id) else ""
@@ -443,6 +446,14 @@ class Job:
             master_id=self.master_id,
         )
 
+    def _refresh_aggregates(self, now: float) -> None:
+        """The committed step and the straggler flags. Each costs O(members), so they are computed from
+        tick() every AGGREGATE_PERIOD_S (and the committed step before a round opens), never per heartbeat:
+        that would make a heartbeat interval of N nodes cost O(N^2)."""
+        self._aggregates_at = now
+        self._update_committed_step()
+        self._update_stragglers(now)
+
     def _update_stragglers(self, now: float) -> None:
         """Re-judge the paces of the running round's members; an event per node that changed."""
         current = self.rdzv.current
@@ -502,6 +513,7 @@ class Job:
         self._event(now, "job_succeeded" if outcome.succeeded else "job_failed", outcome.summary)
 
     def _open_round(self, now: float, why: str, *, counted: bool) -> None:
+        self._update_committed_step()  # the closing round's last word, before its reports are reset
         expected = set(self.rdzv.current.members) if self.rdzv.current else set()
         expected &= set(self.nodes)
         self._succeeded.clear()
@@ -572,6 +584,7 @@ class Job:
             self._finish(Outcome(succeeded=True, exit_code=0, summary="all workers succeeded"), now)
 
     def _remove(self, node_id: str, why: str, kind: str, now: float) -> None:
+        self._update_committed_step()  # while the node's report still counts
         was_member = self.rdzv.is_member(node_id) and node_id not in self._succeeded
         self.liveness.forget(node_id)
         self.rdzv.remove(node_id, now)

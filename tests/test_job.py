@@ -409,6 +409,28 @@ def test_a_closed_connection_of_a_finished_node_or_job_is_not_suspect():
     assert new_kinds(job, mark) == []
 
 
+def ckpt_beat(job: Job, node_id: str, now: float, step: int):
+    req = HeartbeatRequest(node_id=node_id, round=job.rdzv.round, state=NodeState.RUNNING, ckpt_step=step)
+    return job.heartbeat(req, now)
+
+
+def test_committed_step_is_the_members_common_step_computed_in_tick_and_before_a_round_opens():
+    job = make_job(min_nodes=1, max_nodes=2)
+    running(job, 0.0, "a", "b")
+    ckpt_beat(job, "a", 0.1, 5)
+    ckpt_beat(job, "b", 0.1, 4)
+    assert job.committed_step is None, "a heartbeat does not scan the members (O(N) each)"
+    job.tick(1.0)
+    assert job.committed_step == 4
+    ckpt_beat(job, "a", 1.1, 6)
+    ckpt_beat(job, "b", 1.1, 6)
+    job.leave("b", "", 1.2)  # opens a round before the next aggregate refresh: 6 is not lost
+    assert job.committed_step == 6
+    join(job, 1.3, "a")
+    job.tick(1.3 + LAST_CALL)
+    assert assigned(job, "a").committed_step == 6
+
+
 # -- leaving ---------------------------------------------------------------------------------------------
 def test_orderly_leave_is_a_membership_change():
     job = make_job(min_nodes=1, max_nodes=2)
