@@ -295,7 +295,9 @@ def test_the_job_flags_a_straggler_in_status_and_events():
     beat(job, "a", 1.0, workers=progress(0.5, 0.1))
     beat(job, "b", 1.0, workers=progress(0.5, 0.1))
     beat(job, "c", 1.0, workers=progress(0.5, 0.45))
+    assert not any(n.straggler for n in job.status(1.0).nodes), "judged in tick(), not per heartbeat"
 
+    job.tick(1.0)  # the server's periodic tick computes the job-wide aggregates
     rows = {n.node_id: n for n in job.status(1.0).nodes}
     assert [n for n, row in rows.items() if row.straggler] == ["c"]
     assert rows["c"].step_time_s == 0.5 and rows["c"].compute_time_s == 0.45
@@ -303,6 +305,7 @@ def test_the_job_flags_a_straggler_in_status_and_events():
     assert len(straggler_events) == 1 and "node c is a straggler: compute time 0.450s" in straggler_events[0]
 
     beat(job, "c", 2.0, workers=progress(0.5, 0.1))
+    job.tick(2.0)
     assert [e.kind for e in job.events][-1] == "straggler_cleared"
     assert not any(n.straggler for n in job.status(2.0).nodes)
 
