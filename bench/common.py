@@ -34,9 +34,8 @@ RUN_TAG = f"bench-{uuid.uuid4().hex[:12]}"
 TAG_ENV = "BENCH_RUN_TAG"
 
 MACHINE_NOTE = (
-    "Machine: {cores} CPU cores, no GPU, {system}; shared with other engineers' test runs while measuring, "
-    "so every figure is noisy. Runs of the two tools are alternated (A B A B) so that both see the same "
-    "background load; medians are quoted with (min-max)."
+    "Machine: {cores} CPU cores, no GPU, {system}{load}. Runs of the tools are alternated (A B A B) so that "
+    "all see the same background load; medians are quoted with (min-max)."
 )
 
 
@@ -48,6 +47,8 @@ class Tool:
     name: str
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
+    #: An elastic-run agent (it needs an ``elastic-master``), not torchrun.
+    elastic: bool = False
 
     def environ(self, **extra: str) -> dict[str, str]:
         return bench_env(**dict(self.env), **extra)
@@ -57,7 +58,18 @@ class Tool:
 
 
 def elastic_tool(cmd: str | None = None) -> Tool:
-    return Tool("elastic-run", tuple(shlex.split(cmd)) if cmd else (sys.executable, "-m", "agent"))
+    return Tool(
+        "elastic-run", tuple(shlex.split(cmd)) if cmd else (sys.executable, "-m", "agent"), elastic=True
+    )
+
+
+#: elastic-run as it was before warm starts (issue 8): every worker is exec'd and imports torch itself.
+EXEC_TOOL = "elastic-run-exec"
+
+
+def elastic_exec_tool(cmd: str | None = None) -> Tool:
+    base = elastic_tool(cmd)
+    return Tool(EXEC_TOOL, (*base.argv, "--no-warm-start"), elastic=True)
 
 
 def torchrun_tool(cmd: str | None = None) -> Tool:
@@ -94,8 +106,9 @@ def base_parser(description: str, runs: int, tools: str = "elastic-run,torchrun"
     p.add_argument(
         "--tools",
         default=tools,
-        help="comma-separated, from elastic-run, torchrun, torchrun-noshare (torchrun with "
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) (default %(default)s)",
+        help=f"comma-separated, from elastic-run, {EXEC_TOOL} (elastic-run --no-warm-start: the 'before' "
+        "of issue 8), torchrun, torchrun-noshare (torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) "
+        "(default %(default)s)",
     )
     p.add_argument("--workdir", default=None, help="keep logs here (default: a temp folder, removed)")
     p.add_argument("--markdown-out", default=None, help="also write the report (markdown) to this file")
@@ -106,6 +119,7 @@ def selected_tools(args: argparse.Namespace) -> list[Tool]:
     wanted = [t.strip() for t in args.tools.split(",") if t.strip()]
     tools = {
         "elastic-run": elastic_tool(args.elastic_cmd),
+        EXEC_TOOL: elastic_exec_tool(args.elastic_cmd),
         "torchrun": torchrun_tool(args.torchrun_cmd),
         "torchrun-noshare": torchrun_noshare_tool(args.torchrun_cmd),
     }
@@ -394,6 +408,21 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x"
 
 
+def before_after(medians: dict[str, float | None], baseline: str, what: str) -> list[str]:
+    """The issue-8 before/after line: elastic-run with exec'd workers (before) and with warm starts
+    (after), each against ``baseline``, from the medians of one run; nothing if a tool did not run."""
+    if not {"elastic-run", EXEC_TOOL, baseline} <= medians.keys():
+        return []
+    before, after, base = medians[EXEC_TOOL], medians["elastic-run"], medians[baseline]
+    fmt = lambda v: "n/a" if v is None else f"{v:.2f} s"  # noqa: E731
+    return [
+        "",
+        f"Before/after warm starts ({what}): {EXEC_TOOL} (`--no-warm-start`) {fmt(before)} = "
+        f"{ratio(before, base)} {baseline}; elastic-run {fmt(after)} = {ratio(after, base)} {baseline} "
+        f"({fmt(base)}).",
+    ]
+
+
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     rows = [[str(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
@@ -403,8 +432,14 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     return "\n".join(out)
 
 
-def machine_note() -> str:
-    note = MACHINE_NOTE.format(cores=os.cpu_count(), system=f"Python {sys.version.split()[0]}, " + _torch())
+def machine_note(*, measured: bool = True) -> str:
+    """The machine, and for a measurement its load average now and the commit measured."""
+    system = f"Python {sys.version.split()[0]}, " + _torch()
+    if not measured:
+        return MACHINE_NOTE.format(cores=os.cpu_count(), system=system, load="")
+    load = "/".join(f"{v:.1f}" for v in os.getloadavg())
+    load = f"; load average {load} (1/5/15 min, this benchmark's own processes included) at the end"
+    note = MACHINE_NOTE.format(cores=os.cpu_count(), system=system, load=load)
     return f"{note} Code: {_git()}."
 
 
@@ -505,7 +540,7 @@ class Cluster:
 
     @property
     def elastic(self) -> bool:
-        return self.tool.name == "elastic-run"
+        return self.tool.elastic
 
     def start(self, timeout: float = 60.0) -> bool:
         """elastic-run: start the master daemon and wait until it listens. torchrun: nothing to do."""

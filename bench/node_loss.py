@@ -181,6 +181,7 @@ def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
             f"torchrun / elastic-run (target >= 10x): **{speedup}**"
             + ("" if tr is not None else " (torchrun never recovered within the timeout)")
         ]
+    out += c.before_after(medians, "torchrun", "median kill -> survivor step at world 1")
     bad = [r for r in results if not r.recovered]
     if bad:
         out += ["", "Runs that did not recover:"] + [f"- {r.tool}: {r.note}" for r in bad]
@@ -188,7 +189,7 @@ def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = c.base_parser(__doc__.splitlines()[0], runs=3)
+    p = c.base_parser(__doc__.splitlines()[0], runs=3, tools=f"elastic-run,{c.EXEC_TOOL},torchrun")
     p.add_argument("--steps-before", type=int, default=10, help="steps at world 2 before the kill")
     p.add_argument("--step-time", type=float, default=0.05, help="workload --step-time")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds after the kill before giving up")

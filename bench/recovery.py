@@ -178,6 +178,7 @@ def report(tools: list[c.Tool], results: list[Outcome], runs: int, kill_step: in
             f"Ratio elastic-run / torchrun (median kill -> first step): **{c.ratio(el, base)}** "
             f"(target <= {TARGET_RATIO}x: {verdict}).",
         ]
+    out += c.before_after(medians, "torchrun", "median kill -> first step")
     failures = [r for r in results if not r.recovered]
     if failures:
         out += ["", "Runs that did not recover:"] + [f"- {r.tool}: {r.note}" for r in failures]
@@ -185,7 +186,7 @@ def report(tools: list[c.Tool], results: list[Outcome], runs: int, kill_step: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = c.base_parser(__doc__.splitlines()[0], runs=5)
+    p = c.base_parser(__doc__.splitlines()[0], runs=5, tools=f"elastic-run,{c.EXEC_TOOL},torchrun")
     p.add_argument("--kill-step", type=int, default=10, help="SIGKILL rank 1 once rank 0 completed this step")
     p.add_argument("--step-time", type=float, default=0.05, help="workload --step-time")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds after the kill before giving up")

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             text = update_section(text, key, heading, reports[key])
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     about = ABOUT.format(
-        note=c.machine_note().split(" Code:")[0],
+        note=c.machine_note(measured=False),
         when=when,
         command=c.command_line(),
         targets=target_lines(text),
