@@ -49,7 +49,8 @@ def help_text(*argv: str) -> str:
     return out.stdout.rstrip()
 
 
-def main() -> None:
+def render() -> str:
+    """docs/cli.md as the commands' help texts make it now."""
     parts = [INTRO]
     for title, argv in (
         ("elastic-run", ("agent",)),
@@ -57,7 +58,11 @@ def main() -> None:
         ("elastic-master status", ("master", "status")),
     ):
         parts.append(f"## `{title}`\n\n```text\n{help_text(*argv)}\n```\n")
-    (HERE / "cli.md").write_text("\n".join(parts))
+    return "\n".join(parts)
+
+
+def main() -> None:
+    (HERE / "cli.md").write_text(render())
 
 
 if __name__ == "__main__":
