@@ -53,7 +53,11 @@ class ApiError(Exception):
 
 class Notifier:
     """Wakes every waiter (a broadcast, unlike a single asyncio.Event); notified only when a long-poll's
-    answer may have changed (:meth:`master.job.Job.long_poll_key`)."""
+    answer may have changed (:meth:`master.job.Job.long_poll_key`).
+
+    A waiter takes a :meth:`ticket` *before* it checks the state and then waits on that ticket, so that a
+    notify between its check and its wait is not lost (it would otherwise sleep until its timeout: with
+    notifies only on real changes, nothing else would wake it)."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
@@ -62,9 +66,14 @@ class Notifier:
         self._event.set()
         self._event = asyncio.Event()
 
-    async def wait(self, timeout: float) -> None:
-        with contextlib.suppress(asyncio.TimeoutError):  # not the builtin TimeoutError before 3.11
-            await asyncio.wait_for(self._event.wait(), timeout)
+    def ticket(self) -> asyncio.Event:
+        """Set by the next :meth:`notify`."""
+        return self._event
+
+
+async def _wait_for(ticket: asyncio.Event, timeout: float) -> None:
+    with contextlib.suppress(asyncio.TimeoutError):  # not the builtin TimeoutError before 3.11
+        await asyncio.wait_for(ticket.wait(), timeout)
 
 
 class MasterService:
@@ -199,11 +208,12 @@ class MasterService:
         gone = asyncio.ensure_future(_disconnected(request)) if request is not None else None
         try:
             while True:
+                ticket = self.notifier.ticket()  # before the check: a change after it sets the ticket
                 result = probe()
                 remaining = deadline - self.clock()
                 if result is not None or remaining <= 0:
                     return result
-                change = asyncio.ensure_future(self.notifier.wait(remaining))
+                change = asyncio.ensure_future(_wait_for(ticket, remaining))
                 await asyncio.wait({change, gone} - {None}, return_when=asyncio.FIRST_COMPLETED)
                 if gone is not None and gone.done():
                     change.cancel()

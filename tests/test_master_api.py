@@ -429,3 +429,32 @@ def test_openapi_document_is_served(api: Api):
     for name in ("info", "join", "round", "heartbeat", "watch", "leave", "status"):
         assert f"/v1/{name}" in document["paths"], name
     assert {"JoinRequest", "HeartbeatRequest", "CommandReply"} <= set(document["components"]["schemas"])
+
+
+def test_a_change_right_after_a_long_polls_check_wakes_it():
+    """The lost wake-up: the state changes (and waiters are notified) after a long-poll checked the state
+    but before its wait began. The poll must see it at once, not at the end of its timeout."""
+    import asyncio
+
+    from master.server import MasterService
+
+    settings = ServerSettings(job=JobSettings(job_id=JOB_ID), token=TOKEN)
+    service = MasterService(settings)
+
+    async def scenario() -> tuple[str | None, float]:
+        checks: list[float] = []
+
+        def probe() -> str | None:
+            checks.append(time.monotonic())
+            if len(checks) == 1:
+                # The notify runs on the next loop iteration: after this check, before the poll's wait.
+                asyncio.get_running_loop().call_soon(service.notifier.notify)
+                return None
+            return "changed"
+
+        started = time.monotonic()
+        result = await service.long_poll(probe, LONG_POLL_S)
+        return result, time.monotonic() - started
+
+    result, took = asyncio.run(asyncio.wait_for(scenario(), LONG_POLL_S + 5))
+    assert result == "changed" and took < PROMPT_S, f"woke after {took:.1f}s: the notify was lost"
