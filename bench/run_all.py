@@ -42,7 +42,9 @@ ABOUT = """Every figure compares `elastic-run` with `python -m torch.distributed
 machine and the same workload ([bench/workload.py](../bench/workload.py): a small DDP MLP on CPU/gloo,
 plain `init_process_group("gloo")`, deterministic data, an atomic checkpoint to disk after every step), runs
 of the tools alternated (A B A B), medians quoted with (min-max), and how many runs of each tool succeeded
-at all. Scripts are in [bench/](../bench/); each prints its table and can be run alone, `--smoke` runs it
+at all. The crash, node-loss and scale-up benchmarks also run `elastic-run-exec`: elastic-run with
+`--no-warm-start` (every worker exec'd, as before issue 8), the "before" of the before/after table below.
+Scripts are in [bench/](../bench/); each prints its table and can be run alone, `--smoke` runs it
 with tiny sizes (that mode is what `tests/test_bench_smoke.py` checks). All processes a benchmark starts
 carry a `BENCH_RUN_TAG` in their environment and are killed by PID at the end of each run; nothing is
 killed by name.
