@@ -8,6 +8,7 @@ started is left.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -31,7 +32,7 @@ from elastic.protocol import (
     NodeState,
     WorkerFailure,
 )
-from master.server import EmbeddedMaster
+from master.server import EmbeddedMaster, MasterService
 from master.settings import JobSettings, ServerSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -434,19 +435,16 @@ def test_openapi_document_is_served(api: Api):
 def test_a_change_right_after_a_long_polls_check_wakes_it():
     """The lost wake-up: the state changes (and waiters are notified) after a long-poll checked the state
     but before its wait began. The poll must see it at once, not at the end of its timeout."""
-    import asyncio
-
-    from master.server import MasterService
-
     settings = ServerSettings(job=JobSettings(job_id=JOB_ID), token=TOKEN)
     service = MasterService(settings)
 
     async def scenario() -> tuple[str | None, float]:
-        checks: list[float] = []
+        first_check = True
 
         def probe() -> str | None:
-            checks.append(time.monotonic())
-            if len(checks) == 1:
+            nonlocal first_check
+            if first_check:
+                first_check = False
                 # The notify runs on the next loop iteration: after this check, before the poll's wait.
                 asyncio.get_running_loop().call_soon(service.notifier.notify)
                 return None
