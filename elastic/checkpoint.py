@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from elastic import ckpt_layout as layout
+from elastic import collectives
 from elastic.report import report, report_checkpoint
 
 CKPT_DIR_ENV = "ELASTIC_CKPT_DIR"
@@ -380,34 +381,6 @@ def _try_load(paths: list[Path], map_location: Any, errors: list[str]) -> tuple[
     return None
 
 
-def _process_group_world() -> int:
-    """World size of the default process group, or 0 when none is initialized."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 0
-
-
-def _agreed(local: list[int], world: int) -> set[int]:
-    """Steps every rank holds (a collective when a process group of more than one rank exists)."""
-    if world <= 1:
-        return set(local)
-    gathered: list[list[int] | None] = [None] * world
-    torch.distributed.all_gather_object(gathered, local)
-    common = set(local)
-    for steps in gathered:
-        common &= set(steps or [])
-    return common
-
-
-def _all_true(flag: bool, world: int) -> bool:
-    if world <= 1:
-        return flag
-    gathered: list[bool | None] = [None] * world
-    torch.distributed.all_gather_object(gathered, flag)
-    return all(gathered)
-
-
 def load(
     ckpt_dir: str | os.PathLike[str] | None = None, *, map_location: Any = "cpu", step: int | None = None
 ) -> tuple[dict[str, Any], int] | None:
@@ -438,7 +411,7 @@ def load(
             without a process group, checkpoints exist but no committed step says which to restore.
     """
     copies = _local_copies(ckpt_dir)
-    world = _process_group_world()
+    world = collectives.world_size()
     committed = _env_int(COMMITTED_STEP_ENV, None)
     wanted = step
     if wanted is None and world == 0 and (_env_int("WORLD_SIZE", 1) or 1) > 1 and copies:
@@ -451,7 +424,7 @@ def load(
     errors: list[str] = []
     excluded: set[int] = set()
     while True:
-        common = _agreed(sorted(set(copies) - excluded), world)
+        common = collectives.common_steps(set(copies) - excluded, world)
         if wanted is not None and wanted not in common:
             raise CheckpointError(f"checkpoint step {wanted} is not loadable by every rank")
         if not common:
@@ -463,7 +436,7 @@ def load(
             return None
         chosen = wanted if wanted is not None else max(common)
         loaded = _try_load(copies[chosen], map_location, errors)
-        everyone = _all_true(loaded is not None, world)  # a collective: every rank takes part
+        everyone = collectives.all_true(loaded is not None, world)  # a collective: every rank takes part
         if everyone and loaded is not None:
             state, path = loaded
             break

@@ -28,12 +28,15 @@ from typing import Any
 import torch.distributed as dist
 
 from elastic import ckpt_layout as layout
+from elastic import collectives
 from elastic.checkpoint import CheckpointError, _check_args, _resolve_dir
 from elastic.report import report, report_checkpoint
 
 SHARDED_SUBDIR = "sharded"
 _STEP_DIR = re.compile(r"^step_(\d{10,})$")
 _METADATA = ".metadata"
+#: Rank 0's answer when the asked-for step has no complete checkpoint (steps are never negative).
+_MISSING = -1
 
 
 def _step_dir_name(step: int) -> str:
@@ -130,22 +133,20 @@ def load_sharded(
     """
     import torch.distributed.checkpoint as dcp
 
-    chosen: list[int | None] = [None]
+    chosen: int | None = None
     if _rank() == 0:
         available = complete_steps(ckpt_dir)
         if step is not None:
-            chosen[0] = step if step in available else -1
+            chosen = step if step in available else _MISSING
         else:
-            chosen[0] = available[0] if available else None
-    if _distributed() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(chosen, src=0)
-    if chosen[0] == -1:
+            chosen = available[0] if available else None
+    chosen = collectives.broadcast_int(chosen, src=0)
+    if chosen == _MISSING:
         raise CheckpointError(f"no complete sharded checkpoint of step {step} in {_resolve_dir(ckpt_dir)}")
-    if chosen[0] is None:
+    if chosen is None:
         return None
-    found = int(chosen[0])
-    path = _resolve_dir(ckpt_dir) / SHARDED_SUBDIR / _step_dir_name(found)
+    path = _resolve_dir(ckpt_dir) / SHARDED_SUBDIR / _step_dir_name(chosen)
     dcp.load(state, checkpoint_id=path)
-    report(found)
-    report_checkpoint(found)
-    return found
+    report(chosen)
+    report_checkpoint(chosen)
+    return chosen

@@ -245,6 +245,11 @@ def train(args: argparse.Namespace) -> None:
     log(f"start rank={rank} world={world} restart={restart} resumed_step={step}")
     if args.fail_always:
         raise RuntimeError("injected failure")
+    if step >= args.steps and rank == 0:
+        log(
+            f"resumed at step {step} of --steps {args.steps}: nothing left to train "
+            f"(delete {args.ckpt_dir} to train again)"
+        )
 
     flash = flash_enabled()  # under elastic-run: save to memory every step, persist every --ckpt-every
     ddp_model = DistributedDataParallel(model)

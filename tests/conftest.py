@@ -1,11 +1,30 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and CI's rule that a test never passes by skipping for a missing tool."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 from etcd_server import EtcdNotFoundError, EtcdServer
+from tools import MISSING_TOOL
+
+
+def _under_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """Under CI, a skip for a missing system tool is a failure: CI installs every tool the tests use."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and _under_ci() and isinstance(report.longrepr, tuple)):
+        return
+    reason = str(report.longrepr[2])
+    if MISSING_TOOL in reason:
+        report.outcome = "failed"
+        report.longrepr = f"{reason.removeprefix('Skipped: ')} (CI=true: a missing tool fails the run)"
 
 
 def _start_etcd(base_dir) -> EtcdServer:

@@ -308,6 +308,33 @@ def test_all_ranks_restore_the_newest_step_that_every_rank_can_load(tmp_path: Pa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_restore_agreement_uses_tensor_collectives_and_works_without_numpy(tmp_path: Path) -> None:
+    # torch's CPU wheel does not depend on numpy, and its object collectives fail without it
+    # ("Numpy is not available"). The step agreement of elastic.load must not need it.
+    blocker = tmp_path / "no_numpy"
+    blocker.mkdir()
+    blocked = "raise ModuleNotFoundError('numpy is blocked by the test', name='numpy')\n"
+    (blocker / "numpy.py").write_text(blocked)
+    memory = [tmp_path / "node0", tmp_path / "node1"]
+    for step in (2, 7):
+        write_checkpoint(memory[0], step, float(step))
+    for step in (2, 7, 8):
+        write_checkpoint(memory[1], step, float(step))
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def env(rank: int) -> dict[str, str]:
+        path = os.pathsep.join([str(blocker), str(REPO)])
+        return {"ELASTIC_SHM_DIR": str(memory[rank]), "PYTHONPATH": path}
+
+    run_world(2, ["load", str(out)], tmp_path / "logs", env)
+    assert results(out, 2) == [{"step": 7, "value": [7.0]}, {"step": 7, "value": [7.0]}]
+    logs = (tmp_path / "logs" / "rank0.log").read_text()
+    assert "Failed to initialize NumPy" in logs, "the blocker did not hide numpy from torch"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sharded_checkpoint_saved_at_world_2_loads_at_world_1_and_3(tmp_path: Path) -> None:
     sys.path.insert(0, str(WORKER.parent))

@@ -439,9 +439,16 @@ def test_status_command_prints_the_node_table_and_rejects_a_wrong_token(launch, 
     agents = [cluster.agent("node-a", script), cluster.agent("node-b", script)]
     wait_for_any(agents, STEP_LINE.format(world=2), START_S)
 
-    result = cluster.status_cli(cluster.token_file)
+    def both_running() -> subprocess.CompletedProcess[str] | None:
+        # A step line of one rank does not mean that both agents have reported "running" yet.
+        result = cluster.status_cli(cluster.token_file)
+        assert result.returncode == 0, result.stderr
+        _, header, *rows = result.stdout.strip().splitlines()
+        states = [row["STATE"] for row in parse_table(header, rows[:2])]
+        return result if states == ["running", "running"] else None
 
-    assert result.returncode == 0, result.stderr
+    result = wait_until(both_running, START_S, "both nodes running in the status table", interval=0.2)
+
     head, header, *rows = result.stdout.strip().splitlines()
     assert head.startswith(
         f"job {cluster.job_id}: training, round 1, 2 node(s), world size 2, restarts 0/3"

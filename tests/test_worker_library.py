@@ -234,3 +234,12 @@ def test_save_rejects_bad_arguments(tmp_path: Path) -> None:
         save({}, -1, tmp_path, rank=0)
     with pytest.raises(ValueError, match="keep"):
         save({}, 1, tmp_path, keep=0, rank=0)
+
+
+def test_collectives_put_tensors_on_the_rank_gpu_for_nccl_and_on_the_cpu_otherwise() -> None:
+    from elastic.collectives import collective_device
+
+    assert collective_device("nccl", current_cuda_device=3) == torch.device("cuda", 3)
+    assert collective_device("NCCL", current_cuda_device=0) == torch.device("cuda", 0)
+    assert collective_device("gloo") == torch.device("cpu")
+    assert collective_device("cpu:gloo,cuda:nccl", current_cuda_device=1) == torch.device("cuda", 1)

@@ -1,0 +1,85 @@
+"""Small agreements between ranks through tensor collectives.
+
+The worker library agrees on checkpoint steps with plain int64 tensors rather than torch's object
+collectives (``all_gather_object``, ``broadcast_object_list``): those pickle, need numpy, and with NCCL
+move pickles through the GPU. Tensors go on the device the backend requires (the current CUDA device for
+NCCL, the CPU otherwise), so the same code serves gloo and NCCL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+#: Padding for step lists of different lengths; steps are never negative.
+_PAD = -1
+
+
+def collective_device(backend: str, current_cuda_device: int | None = None) -> torch.device:
+    """The device a collective's tensors must live on for ``backend``.
+
+    NCCL only moves CUDA tensors (on the rank's own device, set by :func:`elastic.init_process_group`);
+    gloo and the others take CPU tensors.
+    """
+    if "nccl" in backend.lower():
+        index = torch.cuda.current_device() if current_cuda_device is None else current_cuda_device
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def _device() -> torch.device:
+    return collective_device(str(dist.get_backend()))
+
+
+def world_size() -> int:
+    """Size of the default process group, or 0 when none is initialized."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 0
+
+
+def common_steps(local: Iterable[int], world: int) -> set[int]:
+    """The steps every rank holds: the intersection of each rank's ``local`` steps.
+
+    A collective when ``world`` > 1 (every rank must call it); otherwise ``local`` itself.
+    """
+    mine = sorted(set(local))
+    if world <= 1:
+        return set(mine)
+    device = _device()
+    length = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+    dist.all_reduce(length, op=dist.ReduceOp.MAX)
+    longest = int(length.item())
+    if longest == 0:
+        return set()
+    padded = torch.full((longest,), _PAD, dtype=torch.int64, device=device)
+    if mine:
+        padded[: len(mine)] = torch.tensor(mine, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    common = set(mine)
+    for steps in gathered:
+        common &= {int(s) for s in steps.tolist() if s != _PAD}
+    return common
+
+
+def all_true(flag: bool, world: int) -> bool:
+    """True when ``flag`` is true on every rank (a collective when ``world`` > 1)."""
+    if world <= 1:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def broadcast_int(value: int | None, src: int = 0) -> int | None:
+    """Rank ``src``'s ``value`` on every rank (``None`` travels too); a collective in a process group."""
+    if world_size() <= 1:
+        return value
+    # Two slots: a presence flag, then the value, so that None and every int64 can be told apart.
+    payload = torch.tensor([0 if value is None else 1, value or 0], dtype=torch.int64, device=_device())
+    dist.broadcast(payload, src=src)
+    present, number = payload.tolist()
+    return int(number) if present else None
