@@ -16,7 +16,9 @@ import sys
 import uuid
 
 import click
+from click.core import ParameterSource
 
+from agent.cli_torchrun import resolve_torchrun, torchrun_options
 from agent.errors import EXIT_CONFIG, AgentError, MasterError
 from agent.net import is_local_host, local_address_for, parse_addresses, split_address
 from agent.settings import (
@@ -64,8 +66,10 @@ def _visible_gpus() -> int:
     return len([p for p in pathlib.Path("/dev").glob("nvidia[0-9]*")])
 
 
-def _rdzv_conf(text: str) -> dict[str, float]:
+def _rdzv_conf(text: str) -> tuple[dict[str, float], tuple[str, ...]]:
+    """The job settings --rdzv-conf sets, and the keys it names that have no meaning here."""
     out: dict[str, float] = {}
+    unknown: list[str] = []
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep:
@@ -77,8 +81,9 @@ def _rdzv_conf(text: str) -> dict[str, float]:
                 raise click.BadParameter(
                     f"{key} must be a number of seconds", param_hint="--rdzv-conf"
                 ) from None
-        # Other torchrun keys (timeout, read_timeout, is_host, ...) have no meaning here and are ignored.
-    return out
+        elif key not in unknown:  # torchrun's timeout, read_timeout, is_host, ...: warned about
+            unknown.append(key)
+    return out, tuple(unknown)
 
 
 def _worker_argv(script: str, args: tuple[str, ...], module: bool, no_python: bool) -> tuple[str, ...]:
@@ -149,7 +154,7 @@ CONTEXT = {
     "--rdzv_conf",
     "rdzv_conf",
     default="",
-    help="torchrun's KEY=VALUE list; join_timeout and last_call_timeout are honoured.",
+    help="torchrun's KEY=VALUE list; join_timeout and last_call_timeout are honoured, others warned about.",
 )
 @click.option(
     "--max-restarts",
@@ -189,49 +194,18 @@ CONTEXT = {
     default=None,
     help="torchrun static rendezvous: the master port (default 29500).",
 )
-@click.option(
-    "--node-rank",
-    "--node_rank",
-    "node_rank",
-    type=int,
-    default=-1,
-    hidden=True,
-    help="Accepted for torchrun compatibility; ranks are assigned by the master.",
-)
 @click.option("--role", default="default", show_default=True, help="Worker role name (ROLE_NAME).")
 @click.option("-m", "--module", is_flag=True, help="Run the script as a Python module (python -m).")
 @click.option("--no-python", "--no_python", "no_python", is_flag=True, help="Run the script as a command.")
-@click.option("--run-path", "--run_path", "run_path", is_flag=True, hidden=True, help="Accepted; no effect.")
 @click.option(
     "--log-dir",
     "--log_dir",
     "log_dir",
     type=click.Path(file_okay=False),
     default=None,
-    help="Also write each worker's stdout/stderr under this folder.",
+    help="Also write each worker's stdout/stderr to LOG_DIR/round<N>/rank<R>/{stdout,stderr}.log.",
 )
-@click.option(
-    "-r", "--redirects", default="0", hidden=True, help="Accepted; output is always shown, prefixed."
-)
-@click.option("-t", "--tee", default="0", hidden=True, help="Accepted; output is always shown, prefixed.")
-@click.option(
-    "--monitor-interval",
-    "--monitor_interval",
-    "monitor_interval",
-    type=float,
-    default=0.1,
-    hidden=True,
-    help="Accepted; worker exits are seen at once.",
-)
-@click.option(
-    "--start-method",
-    "--start_method",
-    "start_method",
-    default="spawn",
-    hidden=True,
-    type=click.Choice(["spawn", "fork", "forkserver"]),
-    help="Accepted; workers are processes.",
-)
+@torchrun_options()
 @click.option(
     "--ckpt-dir",
     type=click.Path(file_okay=False),
@@ -252,7 +226,7 @@ CONTEXT = {
     type=click.FloatRange(min=0),
     default=DEFAULT_STOP_GRACE_S,
     show_default=True,
-    help="Seconds between SIGTERM and SIGKILL when stopping workers.",
+    help="Seconds between SIGTERM and SIGKILL when stopping workers (torchrun: --shutdown-timeout).",
 )
 @click.option(
     "--master-timeout",
@@ -280,12 +254,21 @@ CONTEXT = {
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 def cli(**opts) -> int:
     """Run TRAINING_SCRIPT on this node as part of an elastic job (torchrun-compatible)."""
-    settings, embed = _settings(opts)
+    settings, embed = _settings(opts, _given(click.get_current_context()))
     return run_agent(settings, embed)
 
 
-def _settings(o: dict) -> tuple[AgentSettings, str | None]:
-    """Resolve the CLI into frozen settings; returns (settings, address to embed a master at or None)."""
+def _given(ctx: click.Context) -> frozenset[str]:
+    """Names of the options the user gave, on the command line or through their ``PET_*`` variable."""
+    given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    return frozenset(name for name in ctx.params if ctx.get_parameter_source(name) in given)
+
+
+def _settings(o: dict, given: frozenset[str] = frozenset()) -> tuple[AgentSettings, str | None]:
+    """Resolve the CLI into frozen settings; returns (settings, address to embed a master at or None).
+
+    ``given``: the options the user gave (see :func:`_given`); torchrun flags that cannot apply here are
+    warned about only then, once each."""
     try:
         min_nodes, max_nodes = ms.parse_nnodes(o["nnodes"])
     except ms.SettingsError as exc:
@@ -307,6 +290,15 @@ def _settings(o: dict) -> tuple[AgentSettings, str | None]:
             masters = tuple(parse_addresses(endpoint))
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--master") from None
+    rdzv_conf, unknown_rdzv_keys = _rdzv_conf(o["rdzv_conf"])
+    compat = resolve_torchrun(
+        o,
+        given,
+        nproc=nproc,
+        gpus=_visible_gpus(),
+        default_stop_grace=DEFAULT_STOP_GRACE_S,
+        unknown_rdzv_keys=unknown_rdzv_keys,
+    )
     job_id = o["rdzv_id"]
     if standalone and job_id == "none":
         job_id = f"standalone-{uuid.uuid4().hex[:8]}"
@@ -316,15 +308,17 @@ def _settings(o: dict) -> tuple[AgentSettings, str | None]:
             min_nodes=min_nodes,
             max_nodes=max_nodes,
             node_unit=o["node_unit"],
-            last_call_s=o["last_call"],
-            join_timeout_s=o["join_timeout"],
             heartbeat_interval_s=o["heartbeat_interval"],
             heartbeat_timeout_s=o["heartbeat_timeout"],
             max_restarts=o["max_restarts"],
             straggler_factor=o["straggler_factor"],
             node_check=o["node_check"],
             node_check_factor=o["node_check_factor"],
-            **_rdzv_conf(o["rdzv_conf"]),
+            # --rdzv-conf's join_timeout/last_call_timeout, unless --join-timeout/--last-call are given.
+            **{
+                key: rdzv_conf[key] if key in rdzv_conf and flag not in given else o[flag]
+                for key, flag in (("join_timeout_s", "join_timeout"), ("last_call_s", "last_call"))
+            },
         )
     except ms.SettingsError as exc:
         raise click.UsageError(str(exc)) from None
@@ -345,11 +339,17 @@ def _settings(o: dict) -> tuple[AgentSettings, str | None]:
         log_dir=pathlib.Path(o["log_dir"]).resolve() if o["log_dir"] else None,
         ckpt_dir=pathlib.Path(o["ckpt_dir"]).resolve() if o["ckpt_dir"] else None,
         ckpt_keep=o["ckpt_keep"],
-        stop_grace_s=o["stop_grace"],
+        stop_grace_s=compat.stop_grace_s,
         master_timeout_s=o["master_timeout"],
         warm_start=not o["no_warm_start"],
         hang_timeout_s=o["hang_timeout"],
+        output=compat.output,
+        per_rank_env=compat.per_rank_env,
+        signals=compat.signals,
+        event_log_handler=compat.event_log_handler,
     )
+    for warning in compat.warnings:
+        log.warning("%s", warning)
     return settings, embed
 
 

@@ -31,6 +31,8 @@ CONTRACT = (
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "OMP_NUM_THREADS",
 )
+#: The worker's real local rank (what progress reports name it by), whatever LOCAL_RANK says.
+LOCAL_RANK_ENV = "ELASTIC_LOCAL_RANK"
 
 
 def worker_envs(
@@ -68,6 +70,8 @@ def worker_envs(
                 "TORCHELASTIC_USE_AGENT_STORE": "False",
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
                 "ELASTIC_ROUND": str(assignment.round),
+                # The real local rank, also when --virtual-local-rank makes LOCAL_RANK 0 for every worker.
+                LOCAL_RANK_ENV: str(local_rank),
             }
         )
         # torchrun's rule: one OpenMP thread per worker unless the user chose otherwise.

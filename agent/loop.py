@@ -6,7 +6,7 @@ Threads only produce events; the main thread consumes them from one queue and ow
 * heartbeat — reports the node's state every interval, relays a non-``continue`` command;
 * watcher — long-polls the master so that a new round is learnt at once, not at the next heartbeat;
 * exit relay — forwards worker exits the moment the worker group sees them;
-* signal handlers — SIGINT/SIGTERM.
+* signal handlers (agent.signals) — shutdown signals become events; others are forwarded to the workers.
 
 Each event carries the *generation* it belongs to (one per worker start), so stale events of a
 stopped generation are dropped.
@@ -20,16 +20,18 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agent.channel import ProgressChannel
 from agent.client import Backoff, MasterClient, MasterError, MasterRejectedError, MasterUnreachableError
 from agent.envcontract import worker_envs
 from agent.errors import EXIT_CONFIG, EXIT_FAILED, AgentError
+from agent.events import event_log_for
 from agent.health import HealthMixin
 from agent.net import free_port
 from agent.settings import AgentSettings
+from agent.signals import SignalRouter
 from agent.workers import FailureInfo, WorkerExit, WorkerGroup, WorkerSpec
 from elastic.protocol import (
     Assignment,
@@ -103,24 +105,23 @@ class ElasticAgent(HealthMixin):
         self.failure_summary: str | None = None  # the job's root-cause summary when it failed
         self._last_contact = time.monotonic()
         self.host = settings.local_addr or "127.0.0.1"
+        self.event_log = event_log_for(settings.event_log_handler, settings.node_id)
 
     # -- entry point ------------------------------------------------------------------------------
     def run(self) -> int:
         self._check_job_settings()
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            signum = self._await_warm_start()
-            if signum is not None:
-                log.warning("received %s before joining; exiting", signal.Signals(signum).name)
-                return 128 + signum
-            threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
-            return self._rounds()
-        finally:
-            self._closing.set()
-            self.generation += 1
-            self.group.stop(self.settings.stop_grace_s)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        with SignalRouter(self.settings.signals, self._on_signal, self._forward_signal):
+            try:
+                signum = self._await_warm_start()
+                if signum is not None:
+                    log.warning("received %s before joining; exiting", signal.Signals(signum).name)
+                    return 128 + signum
+                threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+                return self._rounds()
+            finally:
+                self._closing.set()
+                self.generation += 1
+                self.group.stop(self.settings.stop_grace_s)
 
     def _check_job_settings(self) -> None:
         info = self.client.info()
@@ -247,6 +248,7 @@ class ElasticAgent(HealthMixin):
                 if reply.command is Command.STOP:
                     return self._finish(reply.outcome)
                 log.info("master opened round %d; restarting workers", reply.round)
+                self.event_log.record("restart", round=reply.round)
                 return None
 
     # -- outcomes ---------------------------------------------------------------------------------
@@ -265,6 +267,7 @@ class ElasticAgent(HealthMixin):
         if kind == "hang":
             how = "a hang"
         log.warning("rank %d (local rank %d) failed with %s", info.global_rank, info.local_rank, how)
+        self.event_log.record("worker_failed", round=round_number, kind=kind, **asdict(info))
         self.view = _NodeView(state=NodeState.FAILED, round=round_number, failure=failure)
         # Report before stopping the others, so that the other nodes start stopping in parallel.
         try:
@@ -299,6 +302,8 @@ class ElasticAgent(HealthMixin):
                 return self._finish(reply.outcome or Outcome(succeeded=True, exit_code=0))
 
     def _finish(self, outcome: Outcome | None) -> int:
+        done = outcome or Outcome(succeeded=True, exit_code=0)
+        self.event_log.record("job_finished", succeeded=done.succeeded, exit_code=done.exit_code)
         if outcome is None:
             return 0
         if outcome.succeeded:
@@ -312,6 +317,7 @@ class ElasticAgent(HealthMixin):
         name = signal.Signals(signum).name
         log.warning("received %s; stopping workers", name)
         self._stop_workers()
+        self.event_log.record("node_left", signal=name)
         try:
             self.client.leave(LeaveRequest(node_id=self.settings.node_id, reason=f"agent received {name}"))
         except MasterError as exc:
@@ -328,6 +334,8 @@ class ElasticAgent(HealthMixin):
             extra["ELASTIC_CKPT_DIR"] = str(s.ckpt_dir)
         extra.update(self.worker_env)
         envs = worker_envs(os.environ, assignment, s.nproc, run_id=s.job.job_id, role=s.role, extra=extra)
+        for local_rank, overrides in enumerate(s.per_rank_env):  # --virtual-local-rank
+            envs[local_rank].update(overrides)
         self._add_stack_files(envs, assignment)
         ranks = [assignment.rank_offset + i for i in range(s.nproc)]
         self.channel.reset(s.nproc)
@@ -339,8 +347,16 @@ class ElasticAgent(HealthMixin):
                 log_dir=s.log_dir,
                 attempt=f"round{assignment.round}",
                 cwd=s.cwd,
+                output=s.output,
             ),
             on_exit=lambda exit_: self.events.put(_Event("exit", generation, exit_)),
+        )
+        self.event_log.record(
+            "workers_started",
+            round=assignment.round,
+            ranks=ranks,
+            pids=self.group.pids,
+            restart=assignment.restart_count,
         )
 
     def _await_launcher(self, generation: int, timeout: float) -> None:
@@ -360,11 +376,24 @@ class ElasticAgent(HealthMixin):
     def _stop_workers(self) -> None:
         self.generation += 1  # exits caused by the stop are not failures
         self.view = _NodeView(state=NodeState.WAITING)
+        running = self.group.running()
         self.group.stop(self.settings.stop_grace_s)
+        if running:
+            self.event_log.record("workers_stopped", local_ranks=running)
 
     # -- event producers --------------------------------------------------------------------------
-    def _on_signal(self, signum: int, frame: object) -> None:
+    def _on_signal(self, signum: int) -> None:
         self.events.put(_Event("signal", -1, signum))
+
+    def _forward_signal(self, signum: int) -> None:
+        """Signal-forward thread: pass ``signum`` on to every live worker; the agent keeps running."""
+        name = signal.Signals(signum).name
+        pids = self.group.signal_workers(signum)
+        if pids:
+            log.info("forwarded %s to the workers (pids %s)", name, ", ".join(map(str, pids)))
+        else:
+            log.info("received %s; no worker runs to forward it to", name)
+        self.event_log.record("signal_forwarded", signal=name, pids=pids)
 
     def _next_event(self) -> _Event:
         while True:

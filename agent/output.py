@@ -1,8 +1,10 @@
 """Forwarding of worker output: one reader thread per pipe prefixes each line with the worker's rank.
 
 Lines go to the agent's own stdout/stderr as ``[rank<global rank>]:<line>`` (torchrun's tee prefix), one
-whole line per write and flushed, so ranks interleave by line, never mid-line. The raw bytes are also teed
-to a log file when one is given, and the last lines of stderr are kept in memory for failure summaries.
+whole line per write and flushed, so ranks interleave by line, never mid-line, unless an
+:class:`OutputPolicy` keeps the stream off the console. The raw bytes are also teed to a log file when one
+is given, lines matching a filter are copied to a :class:`~agent.filtered_log.FilteredLog`, and the last
+lines of stderr are kept in memory for failure summaries.
 """
 
 import contextlib
@@ -10,7 +12,11 @@ import logging
 import sys
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import BinaryIO, Literal
+
+from agent.filtered_log import FilteredLog
+from agent.torchrun_compat import Std, StdSpec
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +25,32 @@ MAX_LINE_BYTES = 64 * 1024
 STDERR_TAIL_LINES = 50
 
 StreamName = Literal["stdout", "stderr"]
+
+
+@dataclass(frozen=True)
+class OutputPolicy:
+    """Which worker streams reach the agent's console, and which lines are copied to filtered logs.
+
+    ``console_ranks``: the local ranks shown on the console (torchrun's ``--local-ranks-filter``), None for
+    all. ``redirects``: streams that go to the log files only (torchrun's ``--redirects``), unless ``tee``
+    names them too (torchrun's ``--tee``: file and console); honoured only when the worker's output is
+    logged, so that no output is lost. ``stdout_filters``/``stderr_filters``:
+    substrings whose lines are also copied to ``filtered_<stream>.log`` (needs a log folder).
+    """
+
+    console_ranks: frozenset[int] | None = None
+    redirects: StdSpec = StdSpec()
+    tee: StdSpec = StdSpec()
+    stdout_filters: tuple[str, ...] = ()
+    stderr_filters: tuple[str, ...] = ()
+
+    def shows(self, local_rank: int, stream: StreamName, logged: bool) -> bool:
+        """True when ``stream`` of ``local_rank`` goes to the console (``logged``: it is also in a file)."""
+        if self.console_ranks is not None and local_rank not in self.console_ranks:
+            return False
+        flag = Std.OUT if stream == "stdout" else Std.ERR
+        redirected = flag in self.redirects.for_rank(local_rank) and flag not in self.tee.for_rank(local_rank)
+        return not (logged and redirected)
 
 
 def rank_prefix(global_rank: int) -> str:
@@ -68,16 +100,20 @@ def start_forwarder(
     stream: StreamName,
     log_file: BinaryIO | None = None,
     tail: "deque[str] | None" = None,
+    console: bool = True,
+    filtered: FilteredLog | None = None,
 ) -> threading.Thread:
     """Start a daemon thread that forwards ``pipe`` line by line until EOF.
 
     The thread owns ``pipe`` and ``log_file`` and closes both at EOF. Decoding is UTF-8 with replacement
     characters, so binary output cannot break forwarding; the log file receives the raw bytes. Non-empty
-    lines are appended to ``tail`` (a bounded deque) when given.
+    lines are appended to ``tail`` (a bounded deque) when given. ``console``: False keeps the lines off the
+    agent's stream. ``filtered`` (shared, not owned) receives the prefixed lines that match its filters.
     """
+    sink = _AGENT_STREAMS[stream] if console else None
     thread = threading.Thread(
         target=_forward,
-        args=(pipe, rank_prefix(global_rank), _AGENT_STREAMS[stream], log_file, tail),
+        args=(pipe, rank_prefix(global_rank), sink, log_file, tail, filtered),
         name=f"worker-rank{global_rank}-{stream}",
         daemon=True,
     )
@@ -88,9 +124,10 @@ def start_forwarder(
 def _forward(
     pipe: BinaryIO,
     prefix: str,
-    sink: _AgentStream,
+    sink: _AgentStream | None,
     log_file: BinaryIO | None,
     tail: "deque[str] | None",
+    filtered: FilteredLog | None,
 ) -> None:
     try:
         while True:
@@ -102,7 +139,10 @@ def _forward(
             line = raw.decode("utf-8", errors="replace").removesuffix("\n").removesuffix("\r")
             if tail is not None and line.strip():
                 tail.append(line)
-            sink.write_line(f"{prefix}{line}\n")
+            if sink is not None:
+                sink.write_line(f"{prefix}{line}\n")
+            if filtered is not None and filtered.matches(line):
+                filtered.write_line(f"{prefix}{line}\n")
     finally:
         pipe.close()
         if log_file is not None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pathlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+from agent.output import OutputPolicy
+from agent.torchrun_compat import SignalPlan
 from master.settings import JobSettings
 
 #: Seconds between SIGTERM and SIGKILL when stopping workers.
@@ -41,6 +44,14 @@ class AgentSettings:
     cwd: str | None = None
     #: Fork restarted workers from a zygote that has imported torch (agent.warm); False: always exec.
     warm_start: bool = True
+    #: Which worker streams reach the console, which lines go to filtered logs (torchrun's log flags).
+    output: OutputPolicy = OutputPolicy()
+    #: Variables set per local rank on top of the worker contract (--virtual-local-rank); empty: none.
+    per_rank_env: tuple[Mapping[str, str], ...] = ()
+    #: Signals that stop the agent, and signals it forwards to its workers (--signals-to-handle).
+    signals: SignalPlan = field(default_factory=SignalPlan)
+    #: --event-log-handler: "console" prints lifecycle events, anything else drops them (agent.events).
+    event_log_handler: str = "null"
 
     @property
     def standalone(self) -> bool:

@@ -171,8 +171,15 @@ class _WarmProcess:
         self.stdout = stdout
         self.stderr = stderr
         self._pidfd = pidfd
+        self._pidfd_lock = threading.Lock()  # send_signal() never uses a closed (or reused) descriptor
         self._exit = exit_box
         self._returncode: int | None = None
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the worker through its pidfd: never another process that reuses the pid."""
+        with self._pidfd_lock:
+            if self._pidfd >= 0:
+                signal.pidfd_send_signal(self._pidfd, sig)
 
     def wait(self) -> int:
         if self._returncode is not None:
@@ -182,7 +189,9 @@ class _WarmProcess:
         while not poller.poll():  # readable once the process has exited; retried on EINTR by Python
             pass
         returncode = self._exit.wait()
-        os.close(self._pidfd)
+        with self._pidfd_lock:
+            os.close(self._pidfd)
+            self._pidfd = -1
         if returncode is None:
             # The zygote died before reporting; the worker died with it (PR_SET_PDEATHSIG=SIGKILL).
             returncode = -int(signal.SIGKILL)

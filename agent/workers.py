@@ -44,7 +44,8 @@ from typing import BinaryIO, Protocol, cast
 import psutil
 
 from agent.errors_file import error_file_path, message_from_stderr, prepare_error_file, read_error_file
-from agent.output import STDERR_TAIL_LINES, start_forwarder
+from agent.filtered_log import FilteredLog, open_filtered_logs
+from agent.output import STDERR_TAIL_LINES, OutputPolicy, start_forwarder
 from agent.reaper import Reaper
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ class WorkerSpec:
     ``argv`` and ``envs`` are complete: the group adds only ``TORCHELASTIC_ERROR_FILE`` to each environment
     and inherits nothing from the agent. ``global_ranks[i]`` is the global rank of local rank ``i`` and
     names its output prefix, log folder and error file. With ``log_dir`` set, each worker's raw output is
-    also written to ``log_dir/<attempt>/rank<global rank>/{stdout,stderr}.log``.
+    also written to ``log_dir/<attempt>/rank<global rank>/{stdout,stderr}.log``. ``output`` says which
+    streams reach the agent's console and which lines are copied to ``log_dir/<attempt>/filtered_*.log``.
     """
 
     argv: list[str]
@@ -87,6 +89,7 @@ class WorkerSpec:
     log_dir: Path | None = None
     attempt: str = "0"
     cwd: str | None = None
+    output: OutputPolicy = OutputPolicy()
 
     def __post_init__(self) -> None:
         if not self.argv:
@@ -166,6 +169,10 @@ class WorkerProcess(Protocol):
 
     def wait(self) -> int:
         """Block until the process exited; its return code (negative: killed by that signal)."""
+        ...
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the process (not its children); nothing once it has been reaped."""
         ...
 
 
@@ -278,6 +285,7 @@ class WorkerGroup:
         self._stopped = True
         self._closed = False
         self._on_exit: Callable[[WorkerExit], None] | None = None
+        self._filtered: dict[str, FilteredLog] = {}  # this attempt's filtered logs, closed by _stop()
 
     @property
     def error_dir(self) -> Path:
@@ -333,6 +341,13 @@ class WorkerGroup:
             raise WorkerGroupError(f"workers still running (local ranks {self.running()}); call stop() first")
         if not self._stopped:
             self._stop(grace_s=5.0)
+        policy = spec.output
+        try:
+            self._filtered = open_filtered_logs(
+                spec.log_dir, spec.attempt, policy.stdout_filters, policy.stderr_filters
+            )
+        except OSError as e:
+            raise WorkerGroupError(f"cannot create the filtered logs under {spec.log_dir}: {e}") from e
         events: queue.Queue[WorkerExit | None] = queue.Queue()
         with self._lock:
             self._workers = []
@@ -398,6 +413,18 @@ class WorkerGroup:
             with self._lock:
                 self._pending -= 1
         return event
+
+    def signal_workers(self, sig: int) -> list[int]:
+        """Send ``sig`` to every worker process still running (not to its children: a DataLoader worker
+        would die of a SIGUSR1 its parent handles); the pids signalled. Nothing while a stop is under way."""
+        with self._lock:
+            live = [] if self._stopping else [w for w in self._workers if w.returncode is None]
+        sent = []
+        for w in live:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                w.proc.send_signal(sig)
+                sent.append(w.proc.pid)
+        return sent
 
     def failure_info(self, exit: WorkerExit) -> FailureInfo:
         """Root cause of the worker exit ``exit``, which must come from this group's last ``start()``.
@@ -478,6 +505,8 @@ class WorkerGroup:
                 if reader.is_alive():
                     # Some process outside our reach still holds the pipe; the daemon thread stays behind.
                     logger.warning("output of worker pid %d is still open after stop", w.proc.pid)
+        for filtered in self._filtered.values():
+            filtered.close()
         with self._lock:
             self._stopped = True
         logger.info("stopped %d workers", len(workers))
@@ -530,14 +559,24 @@ class WorkerGroup:
         )
         # Both are pipes to the agent: every launcher guarantees it.
         stdout, stderr = cast(BinaryIO, proc.stdout), cast(BinaryIO, proc.stderr)
+        logged = spec.log_dir is not None
         worker.readers = [
-            start_forwarder(stdout, global_rank=global_rank, stream="stdout", log_file=log_files[0]),
+            start_forwarder(
+                stdout,
+                global_rank=global_rank,
+                stream="stdout",
+                log_file=log_files[0],
+                console=spec.output.shows(local_rank, "stdout", logged),
+                filtered=self._filtered.get("stdout"),
+            ),
             start_forwarder(
                 stderr,
                 global_rank=global_rank,
                 stream="stderr",
                 log_file=log_files[1],
                 tail=worker.stderr_tail,
+                console=spec.output.shows(local_rank, "stderr", logged),
+                filtered=self._filtered.get("stderr"),
             ),
         ]
         return worker

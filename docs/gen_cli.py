@@ -25,14 +25,16 @@ so a torchrun command line works after replacing the command name. Differences:
 - `--max-restarts` defaults to 3 (torchrun: 0) and counts job-wide failures; membership changes are free.
 - `--rdzv-backend` is accepted and ignored: the elastic master is always used. With `--rdzv-endpoint` and no
   `elastic-master` answering there, the first agent on that host embeds one (convenience mode).
-- `--monitor-interval`, `--start-method`, `--redirects`, `--tee`, `--run-path` and `--node-rank` are accepted
-  for compatibility and have no effect: worker exits are seen at once, output is always shown with a
-  `[rankN]:` prefix (and written under `--log-dir` when given), and ranks are assigned by the master.
+- `--monitor-interval`, `--start-method`, `--run-path`, `--node-rank`, `--logs-specs` and `--numa-binding` are
+  accepted and have no effect here; each prints one warning line when given. Worker output is shown with a
+  `[rankN]:` prefix and, with `--log-dir`, written under it; `--redirects`, `--tee`, `--local-ranks-filter`
+  and `--duplicate-std{out,err}-filters` work as in torchrun. `--shutdown-timeout` is `--stop-grace`.
+  Every torchrun flag and what elastic-run does with it: [torchrun.md](torchrun.md).
 - Unknown flags are an error (exit 2), with a one-line message.
 
 Exit codes of `elastic-run`: 0 success; 1 job failed (restarts exhausted, rendezvous timeout, master
-lost); 2 bad command line or settings rejected by the master; 128+N when stopped by signal N (130 SIGINT,
-143 SIGTERM).
+lost); 2 bad command line or settings rejected by the master; 128+N when stopped by signal N (129 SIGHUP,
+130 SIGINT, 131 SIGQUIT, 143 SIGTERM).
 """
 
 

@@ -78,7 +78,8 @@ def _send(message: dict) -> None:
         _sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         _sock.setblocking(False)
         _path = path
-    message["r"] = int(os.environ.get("LOCAL_RANK", "0"))
+    # ELASTIC_LOCAL_RANK: the real local rank, also under --virtual-local-rank (LOCAL_RANK=0 everywhere).
+    message["r"] = int(os.environ.get("ELASTIC_LOCAL_RANK") or os.environ.get("LOCAL_RANK", "0"))
     message["t"] = time.time()
     # The agent may be busy or gone (OSError): progress is advisory, a training step never waits for it.
     with contextlib.suppress(OSError):
