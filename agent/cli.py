@@ -220,6 +220,13 @@ CONTEXT = {
     show_default=True,
     help="Checkpoints to keep in --ckpt-dir.",
 )
+@click.option(
+    "--ckpt-reset",
+    is_flag=True,
+    help="Start this node's first workers without its existing checkpoints (ELASTIC_CKPT_RESET=1 for "
+    "elastic.load): give it on every node for a deliberate fresh start; a checkpoint another node holds "
+    "is still restored. Use a new --ckpt-dir or job id, so that older files do not shadow the new run.",
+)
 @job_policy_options(embedded=True)
 @click.option(
     "--stop-grace",
@@ -339,6 +346,7 @@ def _settings(o: dict, given: frozenset[str] = frozenset()) -> tuple[AgentSettin
         log_dir=pathlib.Path(o["log_dir"]).resolve() if o["log_dir"] else None,
         ckpt_dir=pathlib.Path(o["ckpt_dir"]).resolve() if o["ckpt_dir"] else None,
         ckpt_keep=o["ckpt_keep"],
+        ckpt_reset=o["ckpt_reset"],
         stop_grace_s=compat.stop_grace_s,
         master_timeout_s=o["master_timeout"],
         warm_start=not o["no_warm_start"],

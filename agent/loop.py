@@ -105,6 +105,7 @@ class ElasticAgent(HealthMixin):
         self.failure_summary: str | None = None  # the job's root-cause summary when it failed
         self._last_contact = time.monotonic()
         self.host = settings.local_addr or "127.0.0.1"
+        self._workers_started = False  # --ckpt-reset applies to the first start only
         self.event_log = event_log_for(settings.event_log_handler, settings.node_id)
 
     # -- entry point ------------------------------------------------------------------------------
@@ -332,6 +333,10 @@ class ElasticAgent(HealthMixin):
             extra["ELASTIC_COMMITTED_STEP"] = str(assignment.committed_step)
         if s.ckpt_dir is not None:
             extra["ELASTIC_CKPT_DIR"] = str(s.ckpt_dir)
+        if s.ckpt_reset and not self._workers_started:
+            # Only the first start: a restart after a failure must restore what this run saved.
+            extra["ELASTIC_CKPT_RESET"] = "1"
+        self._workers_started = True
         extra.update(self.worker_env)
         envs = worker_envs(os.environ, assignment, s.nproc, run_id=s.job.job_id, role=s.role, extra=extra)
         for local_rank, overrides in enumerate(s.per_rank_env):  # --virtual-local-rank

@@ -38,6 +38,8 @@ class AgentSettings:
     ckpt_dir: pathlib.Path | None = None
     #: Checkpoints the keeper keeps in ckpt_dir (agent.ckpt_keeper).
     ckpt_keep: int = 3
+    #: The first worker start ignores this node's checkpoints (ELASTIC_CKPT_RESET=1); later ones restore.
+    ckpt_reset: bool = False
     stop_grace_s: float = DEFAULT_STOP_GRACE_S
     master_timeout_s: float = DEFAULT_MASTER_TIMEOUT_S
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S

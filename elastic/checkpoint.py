@@ -34,12 +34,14 @@ from typing import Any
 import torch
 
 from elastic import ckpt_layout as layout
-from elastic import collectives
+from elastic import collectives, restore
 from elastic.report import report, report_checkpoint
 
 CKPT_DIR_ENV = "ELASTIC_CKPT_DIR"
 SHM_DIR_ENV = "ELASTIC_SHM_DIR"
 COMMITTED_STEP_ENV = "ELASTIC_COMMITTED_STEP"
+#: Set to 1 by ``elastic-run --ckpt-reset``: :func:`load` ignores every checkpoint (a deliberate fresh start).
+CKPT_RESET_ENV = "ELASTIC_CKPT_RESET"
 LATEST_MARKER = layout.LATEST_MARKER
 #: Flash saves kept in shared memory per node: the newest and the one before it.
 MEMORY_KEEP = 2
@@ -74,6 +76,13 @@ def _env_int(name: str, default: int | None) -> int | None:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _node_local_rank() -> int:
+    """This worker's place on its node; ``ELASTIC_LOCAL_RANK`` stays real under ``--virtual-local-rank``
+    (where every worker's ``LOCAL_RANK`` is 0), so that one worker per node writes to shared memory."""
+    real = _env_int("ELASTIC_LOCAL_RANK", None)
+    return real if real is not None else _env_int("LOCAL_RANK", 0)  # type: ignore[return-value]
 
 
 def _resolve_rank(rank: int | None) -> int:
@@ -249,12 +258,12 @@ def _flash_save(
 ) -> Path | None:
     global _warned_memory_only
     path = None
-    if _env_int("LOCAL_RANK", 0) == 0:
+    if _node_local_rank() == 0:
         path = _write_memory_checkpoint(state, step, shm_dir)
     # A location asks the agent to persist the file: only one node does, the others keep memory copies.
     location = persist_to = ""
     if path is not None and persist and _env_int("GROUP_RANK", 0) == 0:
-        folder = ckpt_dir if ckpt_dir is not None else os.environ.get(CKPT_DIR_ENV) or None
+        folder = ckpt_dir or os.environ.get(CKPT_DIR_ENV) or None  # '' counts as not given
         if folder is not None:
             # Absolute: the agent's working directory need not be the worker's.
             location, persist_to = str(path), str(Path(folder).resolve())
@@ -284,18 +293,10 @@ def _disk_save(state: dict[str, Any], step: int, directory: Path, keep: int, ran
 
 # -- load -------------------------------------------------------------------------------------------
 def _load_file(path: Path, map_location: Any) -> tuple[dict[str, Any], int]:
-    # weights_only=True: unpickling may only rebuild tensors, primitives and containers, never run code,
-    # so a checkpoint directory on a shared filesystem cannot be used to execute code in the job. Model
-    # and optimizer state dicts and RNG states (byte tensors) all fit. Other types can be allowed with
-    # torch.serialization.add_safe_globals before loading.
-    payload = torch.load(path, map_location=map_location, weights_only=True)
-    if not (
-        isinstance(payload, dict)
-        and isinstance(payload.get("step"), int)
-        and isinstance(payload.get("state"), dict)
-    ):
-        raise CheckpointError(f"{path} is not a checkpoint written by elastic.save")
-    return payload["state"], payload["step"]
+    try:
+        return restore.parse_torch_checkpoint(path.read_bytes(), map_location)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
 
 
 # What torch.load raises on a damaged file (the legacy unpickler alone can raise most of these).
@@ -361,7 +362,7 @@ def _local_copies(ckpt_dir: str | os.PathLike[str] | None) -> dict[int, list[Pat
     folders = []
     if os.environ.get(SHM_DIR_ENV):
         folders.append(Path(os.environ[SHM_DIR_ENV]))
-    disk = ckpt_dir if ckpt_dir is not None else os.environ.get(CKPT_DIR_ENV) or None
+    disk = ckpt_dir or os.environ.get(CKPT_DIR_ENV) or None  # '' counts as not given
     if disk is not None:
         folders.append(Path(disk))
     for folder in folders:
@@ -370,47 +371,44 @@ def _local_copies(ckpt_dir: str | os.PathLike[str] | None) -> dict[int, list[Pat
     return copies
 
 
-def _try_load(paths: list[Path], map_location: Any, errors: list[str]) -> tuple[dict[str, Any], Path] | None:
-    for path in paths:
-        try:
-            state, _ = _load_file(path, map_location)
-            return state, path
-        except _LOAD_ERRORS as exc:
-            log.warning("skipping unreadable checkpoint %s: %s", path, exc)
-            errors.append(f"{path}: {exc}")
-    return None
-
-
 def load(
     ckpt_dir: str | os.PathLike[str] | None = None, *, map_location: Any = "cpu", step: int | None = None
 ) -> tuple[dict[str, Any], int] | None:
-    """Restore the same checkpoint on every rank: the newest step that every rank can load.
+    """Restore the same checkpoint on every rank: the newest step that *any* rank holds.
 
     Each rank lists the steps it can read, memory first (the agent's shared memory, ``ELASTIC_SHM_DIR``)
-    then disk (``ckpt_dir``, default ``ELASTIC_CKPT_DIR``). With a process group of more than one rank,
-    the ranks exchange their lists and restore the newest step common to all; should a file fail to
-    load on some rank, that rank drops the step and the ranks agree again, so the ranks never restore
-    different steps. Call it on every rank, after :func:`elastic.init_process_group`.
+    then disk (``ckpt_dir``, default ``ELASTIC_CKPT_DIR``). With a process group of more than one rank
+    the ranks exchange their lists, pick the newest step held anywhere, and the lowest-ranked holder
+    whose copy loads sends its bytes to every rank (see :mod:`elastic.restore`): a node that joins or
+    replaces a lost one resumes from its peers' memory, and no two ranks restore different states.
+    Should no copy of that step load, the ranks try the next newest together. On a node that lacked the
+    restored step, local rank 0 keeps the received copy in the agent's memory. Call it on every rank,
+    after :func:`elastic.init_process_group`.
 
-    The step the job master recorded as committed by all nodes (``ELASTIC_COMMITTED_STEP``, set by
-    elastic-run) is never newer than the newest common step while its copies exist, so it is what is
-    restored unless a newer save reached every rank after the master last heard of it. Without a process
-    group in a multi-rank world (no collective to agree with), the committed step is the agreement.
+    Without a process group in a multi-rank world (no collective to agree with), the step the job
+    master recorded as committed (``ELASTIC_COMMITTED_STEP``, set by elastic-run) is the agreement.
+    ``ELASTIC_CKPT_RESET=1`` (``elastic-run --ckpt-reset``, first start only) makes this rank ignore its
+    own checkpoints: with it on every rank, training starts fresh.
 
     Args:
         ckpt_dir: disk folder; default ``ELASTIC_CKPT_DIR`` (none: memory only).
         map_location: passed to :func:`torch.load`; default loads tensors to CPU.
-        step: restore exactly this step (every rank must be able to load it).
+        step: restore exactly this step (some rank must hold a loadable copy).
 
     Returns:
-        ``(state, step)`` as given to :func:`save`, or ``None`` when no step is held by every rank
-        (a fresh start).
+        ``(state, step)`` as given to :func:`save`, or ``None`` when no rank holds a checkpoint.
 
     Raises:
-        CheckpointError: ``step`` was given but is not loadable by every rank; or in a multi-rank world
-            without a process group, checkpoints exist but no committed step says which to restore.
+        CheckpointError: checkpoints exist but none loads on any rank (starting fresh would throw the
+            job's progress away: the message names the override); ``step`` was given and no rank can
+            load it; or in a multi-rank world without a process group, checkpoints exist but no
+            committed step says which to restore.
     """
     copies = _local_copies(ckpt_dir)
+    if os.environ.get(CKPT_RESET_ENV, "") in ("1", "true", "yes") and copies:
+        # This rank holds nothing, but still takes part in the agreement: another rank's copy wins.
+        log.warning("%s is set: ignoring this rank's checkpoints (steps %s)", CKPT_RESET_ENV, sorted(copies))
+        copies = {}
     world = collectives.world_size()
     committed = _env_int(COMMITTED_STEP_ENV, None)
     wanted = step
@@ -421,48 +419,55 @@ def load(
                 "elastic.init_process_group() before elastic.load()"
             )
         wanted = committed
-    errors: list[str] = []
-    excluded: set[int] = set()
-    while True:
-        common = collectives.common_steps(set(copies) - excluded, world)
-        if wanted is not None and wanted not in common:
-            raise CheckpointError(f"checkpoint step {wanted} is not loadable by every rank")
-        if not common:
-            if copies:
-                log.warning(
-                    "no checkpoint step is loadable by every rank (this rank holds %s); starting fresh",
-                    sorted(copies),
-                )
-            return None
-        chosen = wanted if wanted is not None else max(common)
-        loaded = _try_load(copies[chosen], map_location, errors)
-        everyone = collectives.all_true(loaded is not None, world)  # a collective: every rank takes part
-        if everyone and loaded is not None:
-            state, path = loaded
-            break
+    rank = torch.distributed.get_rank() if world > 0 else 0
+    try:
+        found = restore.restore(
+            copies, world, rank, wanted, lambda data: restore.parse_torch_checkpoint(data, map_location)
+        )
+    except restore.NothingLoadableError as exc:
         if wanted is not None:
-            raise CheckpointError(
-                f"checkpoint step {wanted} cannot be loaded by every rank; here: {'; '.join(errors) or 'ok'}"
-            )
-        if loaded is None:
-            excluded.add(chosen)  # the ranks agree again without this rank's broken step
+            raise CheckpointError(f"checkpoint step {wanted} is not loadable by any rank: {exc}") from None
+        raise CheckpointError(
+            f"checkpoints exist but none can be loaded ({exc}); starting fresh would lose the job's "
+            f"progress: to do so on purpose, run elastic-run with --ckpt-reset ({CKPT_RESET_ENV}=1) or "
+            "a new job id"
+        ) from None
+    if found is None:
+        if wanted is not None:
+            raise CheckpointError(f"checkpoint step {wanted} is not loadable by any rank: no rank holds it")
+        return None
+    (state, _), chosen, source, data = found
     if committed is not None and chosen < committed:
         log.warning(
-            "restoring step %d, older than the committed step %d: not every rank holds a copy of it",
+            "restoring step %d, older than the committed step %d: no rank holds a copy of the newer one",
             chosen,
             committed,
         )
     _forget_newer_memory(chosen)
-    log.info("restored the checkpoint of step %d from %s", chosen, path)
+    if chosen not in copies:
+        _keep_in_memory(chosen, data)
+    log.info("restored the checkpoint of step %d from %s", chosen, source)
     report(chosen)
     report_checkpoint(chosen)
     return state, chosen
 
 
+def _keep_in_memory(step: int, data: bytes) -> None:
+    """Store a step received from a peer in this node's shared memory, so the node holds it too."""
+    shm_dir = os.environ.get(SHM_DIR_ENV)
+    if not shm_dir or _node_local_rank() != 0 or not Path(shm_dir).is_dir():
+        return
+    final = Path(shm_dir) / layout.step_file_name(step)
+    try:
+        layout.atomic_write(final, lambda f: f.write(data), durable=False)
+    except OSError as exc:  # the restore succeeded; only this node's extra copy is missing
+        log.warning("could not keep the restored step %d in shared memory: %s", step, exc)
+
+
 def _forget_newer_memory(step: int) -> None:
     """Drop memory saves newer than the restored step: they belong to the run that is rolled back."""
     shm_dir = os.environ.get(SHM_DIR_ENV)
-    if not shm_dir or _env_int("LOCAL_RANK", 0) != 0:
+    if not shm_dir or _node_local_rank() != 0:
         return
     for newer, path in layout.checkpoint_files(Path(shm_dir)):
         if newer > step:

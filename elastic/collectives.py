@@ -8,6 +8,7 @@ NCCL, the CPU otherwise), so the same code serves gloo and NCCL.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -40,28 +41,34 @@ def world_size() -> int:
     return 0
 
 
-def common_steps(local: Iterable[int], world: int) -> set[int]:
-    """The steps every rank holds: the intersection of each rank's ``local`` steps.
-
-    A collective when ``world`` > 1 (every rank must call it); otherwise ``local`` itself.
-    """
+def all_step_lists(local: Iterable[int], world: int) -> list[list[int]]:
+    """Every rank's ``local`` steps, indexed by rank (a collective when ``world`` > 1)."""
     mine = sorted(set(local))
     if world <= 1:
-        return set(mine)
+        return [mine]
     device = _device()
     length = torch.tensor([len(mine)], dtype=torch.int64, device=device)
     dist.all_reduce(length, op=dist.ReduceOp.MAX)
     longest = int(length.item())
     if longest == 0:
-        return set()
+        return [[] for _ in range(world)]
     padded = torch.full((longest,), _PAD, dtype=torch.int64, device=device)
     if mine:
         padded[: len(mine)] = torch.tensor(mine, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded)
-    common = set(mine)
-    for steps in gathered:
-        common &= {int(s) for s in steps.tolist() if s != _PAD}
+    return [[int(s) for s in steps.tolist() if s != _PAD] for steps in gathered]
+
+
+def common_steps(local: Iterable[int], world: int) -> set[int]:
+    """The steps every rank holds: the intersection of each rank's ``local`` steps.
+
+    A collective when ``world`` > 1 (every rank must call it); otherwise ``local`` itself.
+    """
+    lists = all_step_lists(local, world)
+    common = set(lists[0])
+    for steps in lists[1:]:
+        common &= set(steps)
     return common
 
 
@@ -83,3 +90,30 @@ def broadcast_int(value: int | None, src: int = 0) -> int | None:
     dist.broadcast(payload, src=src)
     present, number = payload.tolist()
     return int(number) if present else None
+
+
+def broadcast_bytes(data: bytes | None, src: int) -> bytes | None:
+    """Rank ``src``'s ``data`` on every rank, or ``None`` on every rank when ``src`` has none.
+
+    A collective in a process group of more than one rank: the length travels first (-1 for none), then
+    the bytes as one uint8 tensor.
+    """
+    if world_size() <= 1:
+        return data
+    device = _device()
+    length = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=src)
+    size = int(length.item())
+    if size < 0:
+        return None
+    if size == 0:
+        return b""
+    if data is not None:
+        with warnings.catch_warnings():
+            # frombuffer warns that bytes are read-only; a broadcast only reads the sender's tensor.
+            warnings.simplefilter("ignore", UserWarning)
+            payload = torch.frombuffer(data, dtype=torch.uint8).to(device)
+    else:
+        payload = torch.empty(size, dtype=torch.uint8, device=device)
+    dist.broadcast(payload, src=src)
+    return data if data is not None else bytes(payload.cpu().untyped_storage())

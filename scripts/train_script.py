@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--ckpt-dir",
         default=os.environ.get("ELASTIC_CKPT_DIR") or "./checkpoints",
-        help="checkpoint directory (default: $ELASTIC_CKPT_DIR, else ./checkpoints)",
+        help="checkpoint directory (default: $ELASTIC_CKPT_DIR, else ./checkpoints); '' under elastic-run: "
+        "memory only (the agents' shared memory, replicated on every node)",
     )
     parser.add_argument(
         "--ckpt-every",
@@ -248,7 +249,7 @@ def train(args: argparse.Namespace) -> None:
     if step >= args.steps and rank == 0:
         log(
             f"resumed at step {step} of --steps {args.steps}: nothing left to train "
-            f"(delete {args.ckpt_dir} to train again)"
+            f"(delete {args.ckpt_dir or 'the checkpoints'} to train again)"
         )
 
     flash = flash_enabled()  # under elastic-run: save to memory every step, persist every --ckpt-every
@@ -307,6 +308,7 @@ def train(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    args.ckpt_dir = args.ckpt_dir or None  # '': no disk folder
     if args.dump_env:
         dump_env(args.dump_env, int(os.environ.get("RANK", "0")))
     try:

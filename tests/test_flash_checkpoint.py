@@ -195,6 +195,21 @@ def test_load_prefers_memory_then_disk_and_forgets_rolled_back_saves(
 
 
 @pytest.mark.timeout(30)
+def test_starting_fresh_while_checkpoints_exist_is_an_error_naming_the_override(
+    flash_env: tuple[Path, socket.socket], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shm, _ = flash_env
+    checkpoint.save({"v": 1}, 4)
+    (shm / layout.step_file_name(4)).write_bytes(b"torn")
+    with pytest.raises(CheckpointError, match=r"--ckpt-reset.*new job id"):
+        checkpoint.load()
+    monkeypatch.setenv("ELASTIC_CKPT_RESET", "1")
+    assert checkpoint.load() is None, "the override starts fresh"
+    checkpoint.save({"v": 2}, 5)
+    assert checkpoint.load() is None, "still set: this rank's copies are ignored"
+
+
+@pytest.mark.timeout(30)
 def test_load_without_process_group_in_a_multi_rank_world_needs_the_committed_step(
     flash_env: tuple[Path, socket.socket], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -266,6 +281,11 @@ def results(out: Path, world: int) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def shm_env(folders: list[Path]):
+    """Per-rank environment: rank R's shared-memory folder is ``folders[R]``."""
+    return lambda rank: {"ELASTIC_SHM_DIR": str(folders[rank])}
+
+
 def write_checkpoint(folder: Path, step: int, value: float | None = None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / layout.step_file_name(step)
@@ -277,7 +297,7 @@ def write_checkpoint(folder: Path, step: int, value: float | None = None) -> Non
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_all_ranks_restore_the_newest_step_that_every_rank_can_load(tmp_path: Path) -> None:
+def test_all_ranks_restore_the_newest_step_any_rank_holds_from_one_holder(tmp_path: Path) -> None:
     # Two ranks as two nodes, each with its own memory; a shared disk folder.
     memory = [tmp_path / "node0", tmp_path / "node1"]
     disk = tmp_path / "disk"
@@ -285,25 +305,41 @@ def test_all_ranks_restore_the_newest_step_that_every_rank_can_load(tmp_path: Pa
     for step in (5, 6):
         write_checkpoint(memory[0], step, float(step))
     for step in (4, 5):
-        write_checkpoint(memory[1], step, float(step) + 0.5)  # its own copy of the same step
+        write_checkpoint(memory[1], step, float(step) + 0.5)  # another run's state under the same step
     out = tmp_path / "out"
     out.mkdir()
 
     def env(rank: int) -> dict[str, str]:
-        # The master's committed step is older: a newer step every rank holds wins.
+        # The master's committed step is older: a newer step some rank holds wins.
         return {"ELASTIC_SHM_DIR": str(memory[rank]), "ELASTIC_COMMITTED_STEP": "4"}
 
     run_world(2, ["load", str(out), str(disk)], tmp_path / "logs", env)
-    assert results(out, 2) == [{"step": 5, "value": [5.0]}, {"step": 5, "value": [5.5]}]
-    assert not (memory[0] / layout.step_file_name(6)).exists(), "step 6 belonged to the rolled-back run"
+    assert results(out, 2) == [{"step": 6, "value": [6.0]}, {"step": 6, "value": [6.0]}]
+    kept = torch.load(memory[1] / layout.step_file_name(6), weights_only=True)
+    assert kept["state"]["value"].tolist() == [6.0], "node 1 keeps the step it received in its memory"
 
-    # Rank 1's copy of step 5 is broken: both ranks fall back together, to step 3 (disk), never a mix.
-    write_checkpoint(memory[1], 5)
+    # Every copy of step 6 is broken: both ranks fall back together to step 5, and take one holder's
+    # bytes (rank 0's 5.0), never a mix of the two states saved under step 5.
+    for folder in memory:
+        write_checkpoint(folder, 6)
     run_world(2, ["load", str(out), str(disk)], tmp_path / "logs2", env)
-    assert results(out, 2) == [{"step": 3, "value": [3.0]}, {"step": 3, "value": [3.0]}]
+    assert results(out, 2) == [{"step": 5, "value": [5.0]}, {"step": 5, "value": [5.0]}]
 
-    # Nothing in common: a fresh start on every rank.
-    run_world(2, ["load", str(out)], tmp_path / "logs3", lambda rank: {"ELASTIC_SHM_DIR": str(memory[rank])})
+    # A node that joins with nothing resumes from its peer's memory, not from the older disk copy.
+    joining = tmp_path / "joining"
+    joining.mkdir()
+    holder = tmp_path / "holder"
+    write_checkpoint(holder, 9, 9.0)
+    folders = [joining, holder]
+    run_world(2, ["load", str(out), str(disk)], tmp_path / "logs3", shm_env(folders))
+    assert results(out, 2) == [{"step": 9, "value": [9.0]}, {"step": 9, "value": [9.0]}]
+    assert (joining / layout.step_file_name(9)).is_file()
+
+    # Nothing anywhere: a fresh start on every rank.
+    empty = [tmp_path / "empty0", tmp_path / "empty1"]
+    for folder in empty:
+        folder.mkdir()
+    run_world(2, ["load", str(out)], tmp_path / "logs4", shm_env(empty))
     assert results(out, 2) == [{"step": None, "value": None}, {"step": None, "value": None}]
 
 
@@ -329,7 +365,7 @@ def test_restore_agreement_uses_tensor_collectives_and_works_without_numpy(tmp_p
         return {"ELASTIC_SHM_DIR": str(memory[rank]), "PYTHONPATH": path}
 
     run_world(2, ["load", str(out)], tmp_path / "logs", env)
-    assert results(out, 2) == [{"step": 7, "value": [7.0]}, {"step": 7, "value": [7.0]}]
+    assert results(out, 2) == [{"step": 8, "value": [8.0]}, {"step": 8, "value": [8.0]}]
     logs = (tmp_path / "logs" / "rank0.log").read_text()
     assert "Failed to initialize NumPy" in logs, "the blocker did not hide numpy from torch"
 
@@ -382,7 +418,7 @@ def test_worker_killed_right_after_a_save_resumes_from_that_step_from_memory(lau
         r"^\[rank0\]:start rank=0 world=2 restart=1 resumed_step=(\d+)$", RUN_TIMEOUT_S, after=offset
     )
     assert int(restarted.group(1)) == 6
-    assert re.search(r"^\[rank1\]:start rank=1 world=2 restart=1 resumed_step=6$", proc.output(), re.M)
+    proc.wait_for(r"^\[rank1\]:start rank=1 world=2 restart=1 resumed_step=6$", RUN_TIMEOUT_S, after=offset)
     assert layout.checkpoint_files(ckpt) == [], "the restore came from memory"
     assert proc.wait(RUN_TIMEOUT_S) == 0, proc.output()[-4000:]
     after = [step for step, _ in steps_in(proc.output()[restarted.end() :])]
@@ -454,7 +490,9 @@ def read_sample_logs(folder: Path) -> dict[int, dict[int, list[int]]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_resize_2_1_2_mid_epoch_consumes_every_sample_exactly_once(launch, jobs, tmp_path) -> None:
+@pytest.mark.parametrize("disk", [True, False], ids=["ckpt-dir", "memory-only"])
+def test_resize_2_1_2_mid_epoch_consumes_every_sample_exactly_once(launch, jobs, tmp_path, disk) -> None:
+    # Without --ckpt-dir the node that joins holds nothing: it must resume from the survivor's memory.
     job = unique_job("resize")
     jobs.append(job)
     token = tmp_path / "tok"
@@ -501,8 +539,7 @@ def test_resize_2_1_2_mid_epoch_consumes_every_sample_exactly_once(launch, jobs,
             str(token),
             "--node-id",
             node,
-            "--ckpt-dir",
-            str(tmp_path / "ckpt"),
+            *(["--ckpt-dir", str(tmp_path / "ckpt")] if disk else []),
             "--stop-grace",
             "2",
             str(TRAIN_SCRIPT),
@@ -516,6 +553,8 @@ def test_resize_2_1_2_mid_epoch_consumes_every_sample_exactly_once(launch, jobs,
             "4",
             "--sample-log",
             str(logs),
+            "--ckpt-dir",
+            str(tmp_path / "ckpt") if disk else "",  # the script's own flag; '': memory only
         )
         return launch(argv, name=f"agent-{node}")
 
@@ -533,6 +572,10 @@ def test_resize_2_1_2_mid_epoch_consumes_every_sample_exactly_once(launch, jobs,
     assert c.wait(RUN_TIMEOUT_S) == 0, c.output()[-4000:]
     assert any(f"[rank0]:done step={steps}" in p.output() for p in (a, c))
     assert max(world_steps(1, a)) < steps, "the resize happened mid-epoch"
+    completed = [s for p in (a, b, c) for s, _ in steps_in(p.output())]  # rank 0's lines, any node
+    redone = sorted({s for s in completed if completed.count(s) > 1})
+    assert redone == [], f"steps trained twice after a resize: {redone}"
+    assert sorted(completed) == list(range(1, steps + 1))
 
     # For each step, the round that executed it last is the one whose update the final weights contain.
     by_step = read_sample_logs(logs)
