@@ -8,6 +8,7 @@ NCCL, the CPU otherwise), so the same code serves gloo and NCCL.
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from collections.abc import Iterable
 
@@ -116,4 +117,8 @@ def broadcast_bytes(data: bytes | None, src: int) -> bytes | None:
     else:
         payload = torch.empty(size, dtype=torch.uint8, device=device)
     dist.broadcast(payload, src=src)
-    return data if data is not None else bytes(payload.cpu().untyped_storage())
+    if data is not None:
+        return data
+    received = payload.cpu()
+    # One memcpy; bytes(storage) would iterate the storage element by element.
+    return ctypes.string_at(received.data_ptr(), size)
