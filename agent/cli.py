@@ -27,7 +27,7 @@ from agent.settings import (
     DEFAULT_STOP_GRACE_S,
     AgentSettings,
 )
-from elastic.auth import TokenError, derived_token, read_token_file
+from elastic.auth import TOKEN_ENV, TokenError, derived_token, loose_permissions_warning, read_token_file
 from master import settings as ms
 from master.cli_options import job_policy_options
 
@@ -103,11 +103,14 @@ def _worker_argv(script: str, args: tuple[str, ...], module: bool, no_python: bo
 def _token(token_file: str | None, job_id: str, standalone: bool) -> str:
     if token_file:
         try:
-            return read_token_file(token_file)
+            token = read_token_file(token_file)
         except TokenError as exc:
             raise click.BadParameter(str(exc), param_hint="--token-file") from None
-    if os.environ.get("ELASTIC_TOKEN"):
-        return os.environ["ELASTIC_TOKEN"]
+        if warning := loose_permissions_warning(token_file):
+            log.warning("%s", warning)
+        return token
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
     return secrets.token_urlsafe(24) if standalone else derived_token(job_id)
 
 
@@ -262,6 +265,9 @@ CONTEXT = {
 def cli(**opts) -> int:
     """Run TRAINING_SCRIPT on this node as part of an elastic job (torchrun-compatible)."""
     settings, embed = _settings(opts, _given(click.get_current_context()))
+    # The job-control token stays in the agent: workers (user code, its subprocesses, crash reporters) and
+    # the warm-start zygote, whose environments derive from os.environ, never see it.
+    os.environ.pop(TOKEN_ENV, None)
     return run_agent(settings, embed)
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import stat
+
+#: The environment variable that may carry the job's token instead of a token file.
+TOKEN_ENV = "ELASTIC_TOKEN"
 
 
 class TokenError(ValueError):
@@ -23,6 +27,21 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
     if not token:
         raise TokenError(f"token file {os.fspath(path)!r} is empty")
     return token
+
+
+def loose_permissions_warning(path: str | os.PathLike[str]) -> str | None:
+    """A one-line warning when the token file is readable or writable by group or others, else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return (
+            f"token file {os.fspath(path)!r} is accessible by group or others "
+            f"(mode {stat.S_IMODE(mode):03o}): "
+            f"anyone who reads it can control the job; run: chmod 600 {os.fspath(path)}"
+        )
+    return None
 
 
 def create_token_file(path: str | os.PathLike[str]) -> str:

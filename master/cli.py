@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from elastic.auth import TokenError, create_token_file, read_token_file
+from elastic.auth import TOKEN_ENV, TokenError, create_token_file, loose_permissions_warning, read_token_file
 from master import settings as ms
 from master.cli_options import job_policy_options
 
@@ -24,9 +24,11 @@ def _resolve_token(token_file: str | None) -> str:
             token = create_token_file(token_file)
             log.info("created token file %s (share it with every agent of the job)", token_file)
             return token
+        if warning := loose_permissions_warning(token_file):
+            log.warning("%s", warning)
         return read_token_file(token_file)
-    if os.environ.get("ELASTIC_TOKEN"):
-        return os.environ["ELASTIC_TOKEN"]
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
     raise click.UsageError("pass --token-file PATH (created if missing) or set ELASTIC_TOKEN")
 
 
@@ -121,7 +123,8 @@ def cli(ctx: click.Context, **opts) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON status.")
 def status(master: str, job_id: str, token_file: str | None, as_json: bool) -> None:
     """Print the job's nodes: id, rank, state, heartbeat age, restarts, round, world size, step time and
-    flags (straggler, node-check verdict), then the node-check figures when the job ran a check."""
+    flags (straggler, node-check verdict), then the node-check figures when the job ran a check, and the
+    nodes whose checkpoint persists fail, with the error."""
     from agent.client import MasterClient, MasterError, parse_addresses
     from elastic.auth import derived_token
     from master.status_view import render_status

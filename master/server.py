@@ -245,10 +245,13 @@ class Gatekeeper:
         if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX + "/"):
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        given = headers.get(b"authorization", b"").removeprefix(b"Bearer ").strip()
-        if not given or not secrets.compare_digest(given, self.token):
+        if not secrets.compare_digest(bearer_token(headers.get(b"authorization", b"")), self.token):
             return await _reply(
-                send, 401, "unauthorized", "missing or wrong bearer token; check --token-file"
+                send,
+                401,
+                "unauthorized",
+                "missing or wrong bearer token; check --token-file",
+                extra_headers=[(b"www-authenticate", b'Bearer realm="elastic-master"')],
             )
         job = headers.get(JOB_HEADER.lower().encode(), b"").decode(errors="replace")
         if job != self.job_id:
@@ -271,6 +274,13 @@ class Gatekeeper:
         return await self.app(scope, _replay({"type": "http.request", "body": bytes(body)}, receive), send)
 
 
+def bearer_token(authorization: bytes) -> bytes:
+    """The credentials of an ``Authorization: Bearer <token>`` header (the scheme is case-insensitive,
+    RFC 7235); empty when the header is missing or uses another scheme."""
+    scheme, _, credentials = authorization.strip().partition(b" ")
+    return credentials.strip() if scheme.lower() == b"bearer" else b""
+
+
 def _replay(first: dict, receive):
     """An ASGI ``receive`` that yields ``first`` once, then the server's own messages (the disconnect)."""
     sent = False
@@ -285,15 +295,12 @@ def _replay(first: dict, receive):
     return replay
 
 
-async def _reply(send, status: int, code: str, message: str) -> None:
+async def _reply(
+    send, status: int, code: str, message: str, extra_headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
     body = ErrorBody(error=code, message=message).model_dump_json().encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-        }
-    )
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -100,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--final-hash", metavar="PATH", help="rank 0 writes the SHA-256 of the final weights to PATH"
     )
     parser.add_argument(
+        "--final-weights", metavar="PATH", help="rank 0 writes the final weights to PATH (torch.save)"
+    )
+    parser.add_argument(
         "--sample-log",
         metavar="DIR",
         help="each rank appends the sample indices of every step to a file in DIR",
@@ -303,6 +306,9 @@ def train(args: argparse.Namespace) -> None:
     if rank == 0:
         if args.final_hash:
             write_atomically(Path(args.final_hash), weights_hash(model) + "\n")
+        if args.final_weights:
+            Path(args.final_weights).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(model.state_dict(), args.final_weights)
         log(f"done step={step}")
 
 

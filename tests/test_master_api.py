@@ -253,6 +253,20 @@ def test_wrong_token_wins_over_a_malformed_body(api: Api):
     assert response.status_code == 401, response.text
 
 
+def test_401_names_the_bearer_scheme_and_the_scheme_is_case_insensitive(api: Api):
+    master = api.start()
+    http = api.http(master, headers={})
+    refused = http.get("/v1/status", headers=WRONG_TOKEN)
+    assert refused.status_code == 401
+    assert refused.headers["www-authenticate"].startswith("Bearer")
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        response = http.get("/v1/status", headers={"Authorization": f"{scheme} {TOKEN}", JOB_HEADER: JOB_ID})
+        assert response.status_code == 200, (scheme, response.text)
+    for header in (f"Basic {TOKEN}", TOKEN, f"Bearer{TOKEN}"):
+        response = http.get("/v1/status", headers={"Authorization": header, JOB_HEADER: JOB_ID})
+        assert response.status_code == 401, header
+
+
 def test_client_raises_a_typed_rejection(api: Api):
     master = api.start()
     with pytest.raises(MasterRejectedError) as info:

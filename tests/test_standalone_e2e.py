@@ -495,12 +495,16 @@ def test_env_contract_of_training_workers(launch, tmp_path, mode):
             str(tmp_path / "env_{rank}.json"),
         ),
         name="run",
+        env=base_env(ELASTIC_TOKEN="job-control-secret"),
     )
     assert proc.wait(RUN_TIMEOUT_S) == 0, proc.output()[-4000:]
     assert f"started 2 workers (attempt round1, {mode})" in proc.output()
     envs = read_env_dumps(tmp_path, 2)
     # base_env() removes OMP_NUM_THREADS: unset and nproc > 1 gives 1, as torchrun.
     check_contract(envs, nproc=2, max_restarts=5, run_id="contract-job-7")
+    for env in envs.values():
+        assert "ELASTIC_TOKEN" not in env, "the job-control token must not reach user code"
+        assert "job-control-secret" not in json.dumps(env)
 
 
 @pytest.mark.timeout(120)

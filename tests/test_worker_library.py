@@ -243,3 +243,14 @@ def test_collectives_put_tensors_on_the_rank_gpu_for_nccl_and_on_the_cpu_otherwi
     assert collective_device("NCCL", current_cuda_device=0) == torch.device("cuda", 0)
     assert collective_device("gloo") == torch.device("cpu")
     assert collective_device("cpu:gloo,cuda:nccl", current_cuda_device=1) == torch.device("cuda", 1)
+
+
+def test_a_token_file_open_to_group_or_others_gets_a_warning(tmp_path) -> None:
+    from elastic.auth import create_token_file, loose_permissions_warning
+
+    path = tmp_path / "tok"
+    create_token_file(path)
+    assert loose_permissions_warning(path) is None, "created 0600"
+    path.chmod(0o644)
+    warning = loose_permissions_warning(path)
+    assert warning is not None and "chmod 600" in warning and "644" in warning and "\n" not in warning
