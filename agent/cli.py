@@ -20,7 +20,7 @@ from click.core import ParameterSource
 
 from agent.cli_torchrun import resolve_torchrun, torchrun_options
 from agent.errors import EXIT_CONFIG, AgentError, MasterError
-from agent.net import is_local_host, local_address_for, parse_addresses, split_address
+from agent.net import is_local_host, is_loopback_host, local_address_for, parse_addresses, split_address
 from agent.settings import (
     DEFAULT_HANG_TIMEOUT_S,
     DEFAULT_MASTER_TIMEOUT_S,
@@ -100,7 +100,17 @@ def _worker_argv(script: str, args: tuple[str, ...], module: bool, no_python: bo
     return (sys.executable, "-u", script, *args)
 
 
-def _token(token_file: str | None, job_id: str, standalone: bool) -> str:
+_NO_TOKEN_HELP = (
+    "a job whose master is not on this machine's loopback needs a token, else anyone who can reach the "
+    "master can control the job: create one (elastic-master --token-file tok creates it, or "
+    "umask 077; python3 -c 'import secrets; print(secrets.token_urlsafe(32))' > tok), copy it to every "
+    "node and pass --token-file tok (or set ELASTIC_TOKEN)"
+)
+
+
+def _token(token_file: str | None, job_id: str, masters: tuple[str, ...]) -> str:
+    """The job's token: --token-file, else ELASTIC_TOKEN, else (only where no other machine can reach the
+    master: standalone, or a master on loopback) a random or derived one."""
     if token_file:
         try:
             token = read_token_file(token_file)
@@ -111,7 +121,11 @@ def _token(token_file: str | None, job_id: str, standalone: bool) -> str:
         return token
     if os.environ.get(TOKEN_ENV):
         return os.environ[TOKEN_ENV]
-    return secrets.token_urlsafe(24) if standalone else derived_token(job_id)
+    if not masters:
+        return secrets.token_urlsafe(24)  # standalone: the embedded master listens on 127.0.0.1 only
+    if all(is_loopback_host(split_address(address)[0]) for address in masters):
+        return derived_token(job_id)  # torchrun-style command lines on one machine keep working
+    raise click.UsageError(_NO_TOKEN_HELP)
 
 
 CONTEXT = {
@@ -343,7 +357,7 @@ def _settings(o: dict, given: frozenset[str] = frozenset()) -> tuple[AgentSettin
         argv=argv,
         nproc=nproc,
         job=job,
-        token=_token(o["token_file"], job_id, standalone),
+        token=_token(o["token_file"], job_id, masters),
         node_id=o["node_id"] or f"{socket.gethostname()}-{os.getpid()}",
         masters=masters,
         host_master_at=None,

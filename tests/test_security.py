@@ -1,0 +1,37 @@
+"""Security rules of the command lines: no public default token off loopback, no token in workers."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from e2e import REPO, base_env, elastic_run_argv
+
+SCRIPT = "scripts/train_script.py"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = base_env()
+    env.pop("ELASTIC_TOKEN", None)
+    return subprocess.run(
+        elastic_run_argv(*args, SCRIPT), env=env, cwd=REPO, capture_output=True, text=True, timeout=50
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--nnodes", "1:2", "--master", "10.255.0.1:29400"],
+        ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.255.0.1:29400"],
+        ["--master", "10.255.0.1:29400,127.0.0.1:29400"],
+    ],
+    ids=["master", "torchrun-c10d", "one-standby-off-loopback"],
+)
+def test_a_master_off_loopback_without_a_token_is_refused_before_any_connection(args: list[str]) -> None:
+    # Refused while the command line is resolved: nothing is sent to the (unreachable) address.
+    result = run_cli(*args)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("elastic-run: error: "), result.stderr
+    assert "--token-file" in lines[0] and "ELASTIC_TOKEN" in lines[0]
