@@ -28,6 +28,8 @@ from agent.settings import (
     AgentSettings,
 )
 from elastic.auth import TOKEN_ENV, TokenError, derived_token, loose_permissions_warning, read_token_file
+from elastic.protocol import valid_host
+from elastic.text import printable
 from master import settings as ms
 from master.cli_options import job_policy_options
 
@@ -349,6 +351,10 @@ def _settings(o: dict, given: frozenset[str] = frozenset()) -> tuple[AgentSettin
         )
     except ms.SettingsError as exc:
         raise click.UsageError(str(exc)) from None
+    if o["local_addr"] and not valid_host(o["local_addr"]):
+        raise click.BadParameter(
+            f"{o['local_addr']!r} is not an IP address or a host name", param_hint="--local-addr"
+        )
     host = o["local_addr"] or ("127.0.0.1" if standalone else local_address_for(split_address(masters[0])[0]))
     embed = None
     if not standalone and len(masters) == 1 and is_local_host(split_address(masters[0])[0]):
@@ -427,7 +433,7 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
         if master is not None:
             master.stop()
         if agent is not None and agent.failure_summary:
-            print(f"elastic-run: job failed: {agent.failure_summary}", file=sys.stderr, flush=True)
+            print(f"elastic-run: job failed: {printable(agent.failure_summary)}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

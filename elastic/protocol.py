@@ -9,9 +9,11 @@ This module is shared by master and agent; it imports pydantic but never torch o
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from enum import Enum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 API_PREFIX = "/v1"
 JOB_HEADER = "X-Elastic-Job"
@@ -20,6 +22,20 @@ MAX_BODY_BYTES = 64 * 1024
 LONG_POLL_CAP_S = 30.0
 
 _ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
+
+
+_HOST_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_HOST_LABEL}(?:\.{_HOST_LABEL})*\.?$")
+
+
+def valid_host(text: str) -> bool:
+    """True for an IP address (v4, or v6 with an optional zone) or a DNS host name; nothing else (no
+    spaces, control characters or URLs), since hosts end up in logs, status tables and MASTER_ADDR."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.fullmatch(text))
 
 
 class _Model(BaseModel):
@@ -98,6 +114,13 @@ class JoinRequest(_Model):
         ge=1, description="The agent's view of the job size, checked against the master's."
     )
     max_nodes: int = Field(ge=1)
+
+    @field_validator("host")
+    @classmethod
+    def _host_is_an_address_or_name(cls, host: str) -> str:
+        if not valid_host(host):
+            raise ValueError("must be an IP address or a host name")
+        return host
 
 
 class JoinReply(_Model):

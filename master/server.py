@@ -37,6 +37,7 @@ from elastic.protocol import (
     LeaveRequest,
     RoundReply,
 )
+from elastic.text import printable
 from master.job import Job, JobError
 from master.settings import ServerSettings
 from master.store import MemoryStore, StateStore, StoreError
@@ -118,7 +119,7 @@ class MasterService:
             return
         fresh = min(job.event_count - self._logged_events, len(job.events))
         for event in list(job.events)[len(job.events) - fresh :]:
-            log.info("%s: %s", event.kind, event.message)
+            log.info("%s: %s", event.kind, printable(event.message))  # messages quote nodes' own words
         self._logged_events = job.event_count
         if job.version != self._seen_version:
             self._seen_version = job.version

@@ -254,3 +254,12 @@ def test_a_token_file_open_to_group_or_others_gets_a_warning(tmp_path) -> None:
     path.chmod(0o644)
     warning = loose_permissions_warning(path)
     assert warning is not None and "chmod 600" in warning and "644" in warning and "\n" not in warning
+
+
+def test_printable_escapes_control_characters_into_one_line() -> None:
+    from elastic.text import printable
+
+    assert printable("plain text: ok") == "plain text: ok"
+    assert printable("x\nFAKE [elastic.master] job_succeeded") == "x\\nFAKE [elastic.master] job_succeeded"
+    assert printable("\x1b[2Jwiped\r\t\x7f\x9b") == "\\x1b[2Jwiped\\r\\t\\x7f\\x9b"
+    assert "\n" not in printable("a\nb\nc")
