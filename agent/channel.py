@@ -3,7 +3,12 @@
 A Unix datagram socket in a private folder; one thread receives reports and keeps, per local rank,
 the last step, when it last advanced, recent step times and the newest checkpointed step. Checkpoint
 reports are also passed to an optional ``on_checkpoint(local_rank, step, location, persist_to)``
-callback (the checkpoint keeper), called on the receiving thread: it must not block.
+callback (the checkpoint keeper), called on the receiving thread: it must not block. A report that
+carries the worker's round (``rd``, from ``ELASTIC_ROUND``) passes it as ``round_number=``, which
+fences the keeper's persist; reports of workers that do not send it call the callback without it.
+
+Workers send checkpoint reports with a blocking send (see :mod:`elastic.report`): while this thread
+is stalled they wait in the kernel's queue instead of being dropped.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ class RankProgress:
 class ProgressChannel:
     """Receives progress datagrams from this node's workers."""
 
-    def __init__(self, on_checkpoint: Callable[[int, int, str, str], None] | None = None) -> None:
+    def __init__(self, on_checkpoint: Callable[..., None] | None = None) -> None:
         self._on_checkpoint = on_checkpoint
         self._dir = tempfile.mkdtemp(prefix="elastic-agent-")
         self.path = os.path.join(self._dir, "progress.sock")
@@ -102,11 +107,12 @@ class ProgressChannel:
                 rank, kind, step = int(message["r"]), str(message["k"]), int(message["step"])
                 location, persist_to = str(message.get("loc") or ""), str(message.get("dir") or "")
                 compute = float(message["b"]) if "b" in message else None
+                fence = {"round_number": int(message["rd"])} if "rd" in message else {}
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a malformed datagram is dropped; workers cannot break the agent
             if self._apply(rank, kind, step, compute) and kind == "ckpt" and self._on_checkpoint is not None:
                 try:
-                    self._on_checkpoint(rank, step, location, persist_to)
+                    self._on_checkpoint(rank, step, location, persist_to, **fence)
                 except Exception:  # a failing callback must not stop progress reports
                     log.exception("checkpoint callback failed for local rank %d step %d", rank, step)
 

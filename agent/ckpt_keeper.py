@@ -4,19 +4,31 @@ Workers flash-save into the folder (see :mod:`elastic.checkpoint`): a file appea
 once complete, so the folder only ever shows whole checkpoints, and it outlives the worker that wrote
 it. The keeper:
 
-* **start**: creates ``<root>/elastic-<job>-<node>/`` (mode 0700, ``root`` is ``/dev/shm``) with an
-  owner record (host, pid, process start time). A folder of the same job and node left behind by a
-  crashed agent is removed, and so is any ``elastic-*`` folder of this host whose owner is dead (a
-  crashed agent with another node id). A live owner of the same job and node is an error.
+* **start**: takes ``<root>/elastic-<job>-<node>/`` (mode 0700, ``root`` is ``/dev/shm``) by an exclusive
+  ``flock`` of its ``.lock`` file, held until stop (:mod:`agent.shm_lock`): a held lock is a live agent
+  of the same job and node, an error; a free one means its previous owner is gone, however it ended
+  (killed, an unreaped zombie, another PID namespace), and its leftovers are removed (takeover). Other
+  ``elastic-*`` folders whose lock is free are removed too (crashed agents with another node id); a
+  folder without a lock file (an older agent's) is judged by its owner record (host, pid, start time).
 * **persists** each checkpoint a worker reports with its location (only the node of group rank 0 asks,
   see :func:`elastic.checkpoint.save`) in a background thread, to the folder the report names (the
   script's checkpoint folder, by default ``ELASTIC_CKPT_DIR`` = the agent's ``--ckpt-dir``), else to
-  ``ckpt_dir``: copy to a temp file, fsync, rename, fsync the folder, then move the ``latest`` marker;
-  the newest ``keep`` are kept.
-* **stop**: persists what is still pending, then removes the folder.
+  ``ckpt_dir``: copy to a temp file, fsync, then commit it fenced by the worker's round
+  (:mod:`agent.ckpt_fence`: rename, fsync the folder, move ``latest`` never backwards, prune only older
+  files); the newest ``keep`` are kept.
+* **sweeps** temp files of dead writers from the folder (a worker killed mid-save leaves a
+  checkpoint-sized one): the agent calls :meth:`CheckpointKeeper.sweep` whenever it has stopped its
+  workers; the bytes reclaimed are logged.
+* **reports** :meth:`CheckpointKeeper.persist_status`: the step last made durable and the error of the
+  last persist, or of one that made no progress for ``stall_s`` (a hung disk), for the heartbeats.
+* **stop**: persists what is still pending, and the newest checkpoint in memory if it is newer than the
+  last persist request (a ``persist=False`` save, or a request lost with its worker), then removes the
+  folder. The stop is bounded: it gives up a persist that made no progress for ``stall_s`` (default
+  30 s), or that still runs ``stop_cap_s`` (default 600 s) after the stop began, logs and records the
+  error, and goes on (the thread is abandoned; nothing it finishes later is published).
 
-Persist policy when a persist is still running at the next save: the worker is never blocked (it only
-sent a datagram). Reports wait in a single slot that each newer report replaces; when the running
+Persist policy when a persist is still running at the next save: the worker is never blocked (its report
+is queued by the kernel). Reports wait in a single slot that each newer report replaces; when the running
 persist finishes, the newest pending checkpoint is persisted and the ones in between are skipped. The
 disk copy thus lags memory by about one persist duration; a slow disk costs disk freshness, never
 training time. A pending file that its worker pruned meanwhile (memory keeps two) is skipped too: a
@@ -46,6 +58,7 @@ from typing import BinaryIO
 
 import psutil
 
+from agent import ckpt_fence, shm_lock
 from elastic import ckpt_layout as layout
 
 log = logging.getLogger("elastic.agent")
@@ -56,7 +69,13 @@ SHM_DIR_ENV = "ELASTIC_SHM_DIR"
 PERSIST_DELAY_ENV = "ELASTIC_PERSIST_DELAY_S"
 FOLDER_PREFIX = "elastic-"
 OWNER_FILE = ".owner"
+#: A persist that wrote nothing for this long is reported as stalled, and given up at stop.
+DEFAULT_STALL_S = 30.0
+#: The stop gives up a persist still running this long after the stop began, even one making progress.
+DEFAULT_STOP_CAP_S = 600.0
+_JOIN_SLICE_S = 0.2
 _COPY_CHUNK = 8 << 20
+_SYNC_EVERY = 256 << 20
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -123,6 +142,20 @@ class _Owner:
             return None
 
 
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+@dataclass(frozen=True)
+class _Request:
+    """A checkpoint to persist: its step, file in memory, target folder and the worker's round."""
+
+    step: int
+    source: Path
+    target: Path
+    round: int | None
+
+
 class CheckpointKeeper:
     """Owns one node's shared-memory checkpoint folder; see the module doc for the contract."""
 
@@ -136,6 +169,9 @@ class CheckpointKeeper:
         root: Path = DEFAULT_ROOT,
         persist_delay_s: float = 0.0,
         persist_delay_from_step: int = 0,
+        stall_s: float = DEFAULT_STALL_S,
+        stop_cap_s: float = DEFAULT_STOP_CAP_S,
+        lock_timeout_s: float = ckpt_fence.DEFAULT_LOCK_TIMEOUT_S,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
@@ -147,27 +183,52 @@ class CheckpointKeeper:
         self.folder = self.root / folder_name(job_id, node_id)
         self.persist_delay_s = persist_delay_s
         self.persist_delay_from_step = persist_delay_from_step
+        self.stall_s = stall_s
+        self.stop_cap_s = stop_cap_s
+        self.lock_timeout_s = lock_timeout_s
         self.persisted_step: int | None = None  # step of the last checkpoint this keeper made durable
+        self.persist_error = ""  # why the last persist failed; "" once one succeeds
+        self.requests = 0  # persist requests received
+        self.persisted = 0
         self.skipped = 0  # reports replaced by a newer one before their persist started
+        self.superseded = 0  # persists not published: a newer round committed to the folder
+        self.failures = 0
+        self.swept_bytes = 0  # temp files of dead writers removed from the memory folder
         self._cond = threading.Condition()
-        self._pending: tuple[int, Path, Path] | None = None  # step, memory file, target folder
+        self._pending: _Request | None = None
+        self._last_request: _Request | None = None
+        self._current: _Request | None = None  # the persist running now
+        self._progress_at = time.monotonic()  # when the running persist last wrote (or began)
         self._busy = False
         self._stopping = threading.Event()
+        self._abandon = threading.Event()  # set when a stop gives the running persist up
         self._thread: threading.Thread | None = None
         self._started = False
+        self._lock_fd: int | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> CheckpointKeeper:
-        """Remove stale folders, create this node's, start the persist thread."""
+        """Remove stale folders, take this node's (see the module doc), start the persist thread."""
         self._remove_stale()
-        owner = _Owner.me(self.job_id, self.node_id)
         try:
-            self.folder.mkdir(mode=0o700, parents=False)
-            self._started = True
-            record = json.dumps(owner.__dict__).encode()
-            layout.atomic_write(self.folder / OWNER_FILE, lambda f: f.write(record), durable=False)
+            self._lock_fd = shm_lock.acquire(self.folder)
+        except shm_lock.FolderHeldError:
+            holder = _Owner.read(self.folder)
+            who = f"pid {holder.pid} on {holder.host}" if holder else "owner record not written yet"
+            raise KeeperError(
+                f"another agent ({who}) of job {self.job_id} node {self.node_id} holds {self.folder}; "
+                "give each agent its own --node-id"
+            ) from None
         except OSError as exc:
             raise KeeperError(f"cannot create {self.folder}: {exc}") from exc
+        self._started = True
+        try:
+            self._take_over()
+            record = json.dumps(_Owner.me(self.job_id, self.node_id).__dict__).encode()
+            layout.atomic_write(self.folder / OWNER_FILE, lambda f: f.write(record), durable=False)
+        except OSError as exc:
+            self.stop()
+            raise KeeperError(f"cannot set up {self.folder}: {exc}") from exc
         self._thread = threading.Thread(target=self._persist_loop, name="ckpt-keeper", daemon=True)
         self._thread.start()
         log.info("checkpoint memory: %s", self.folder)
@@ -178,15 +239,115 @@ class CheckpointKeeper:
         return {SHM_DIR_ENV: str(self.folder)}
 
     def stop(self) -> None:
-        """Persist what is pending (a running pause ends), stop the thread, remove the folder."""
-        self._stopping.set()
-        with self._cond:
-            self._cond.notify_all()
+        """Persist what is pending and the newest memory checkpoint (a running pause ends; bounded, see the
+        module doc), stop the thread, remove the folder and release it. Idempotent."""
         if self._thread is not None:
-            self._thread.join()
+            self._queue_newest()
+            self._stopping.set()
+            with self._cond:
+                # The stop ends a test pause: stalls count from here at the earliest.
+                self._progress_at = max(self._progress_at, time.monotonic())
+                self._cond.notify_all()
+            self._join_bounded()
+            self._thread = None
+            log.info(
+                "checkpoint keeper: %d persist requests, %d persisted, %d skipped for a newer one, "
+                "%d superseded by a newer round, %d failed; %s of dead writers' temp files reclaimed",
+                self.requests,
+                self.persisted,
+                self.skipped,
+                self.superseded,
+                self.failures,
+                _mib(self.swept_bytes),
+            )
+        self._stopping.set()
         if self._started:
             shutil.rmtree(self.folder, ignore_errors=True)
             self._started = False
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # after the removal: nobody takes the folder over half-removed
+            self._lock_fd = None
+
+    def _queue_newest(self) -> None:
+        """At stop: queue the newest memory checkpoint when it is newer than the last persist request (a
+        ``persist=False`` save, or a request lost with its worker), to where that request went."""
+        with self._cond:
+            last = self._last_request
+            newest = layout.checkpoint_files(self.folder)[:1] if last is not None else []
+            if last is None or not newest or newest[0][0] <= last.step:
+                return
+            step, path = newest[0]
+            log.info("persisting the newest checkpoint in memory (step %d) at stop", step)
+            if self._pending is not None:
+                self.skipped += 1
+            self._pending = self._last_request = _Request(step, path, last.target, last.round)
+            self._cond.notify_all()
+
+    def _join_bounded(self) -> None:
+        """Wait for the persist thread; give the running persist up when it stalls or the cap passes."""
+        thread = self._thread
+        if thread is None:
+            return
+        cap = time.monotonic() + self.stop_cap_s
+        while True:
+            thread.join(_JOIN_SLICE_S)  # a slice, to look at the running persist's progress
+            if not thread.is_alive():
+                return
+            with self._cond:
+                current, stalled = self._current, time.monotonic() - self._progress_at
+            if current is None or (stalled < self.stall_s and time.monotonic() < cap):
+                continue
+            self._abandon.set()  # ends a wait for the fence lock; a late finish publishes nothing
+            why = f"no progress for {stalled:.0f}s" if stalled >= self.stall_s else "the stop's cap passed"
+            self._fail(current, f"gave up at stop ({why}); the disk may lack this checkpoint")
+            return
+
+    def sweep(self, *, workers_stopped: bool = False) -> int:
+        """Remove temp files of dead writers from the memory folder (a worker killed mid-save leaves a
+        checkpoint-sized one); returns the bytes reclaimed, and logs them. ``workers_stopped``: no worker
+        runs, so no temp file there can have a live writer, whatever its name says."""
+        if not self._started:
+            return 0
+        freed = layout.remove_temp_files(self.folder, writers_stopped=workers_stopped)
+        if freed:
+            with self._cond:
+                self.swept_bytes += freed
+            log.info("removed temp files of killed writes from %s: %s reclaimed", self.folder, _mib(freed))
+        return freed
+
+    def persist_status(self) -> tuple[int | None, str]:
+        """``(persisted step, error)`` for the heartbeats: the error of the last persist if it failed, or
+        of the running one if it made no progress for ``stall_s`` (hung storage); "" when all is well."""
+        with self._cond:
+            error, current = self.persist_error, self._current
+            stalled = time.monotonic() - self._progress_at
+            if not error and current is not None and stalled >= self.stall_s:
+                error = f"step {current.step} to {current.target}: no progress for {stalled:.0f}s"
+            return self.persisted_step, error
+
+    def _take_over(self) -> None:
+        """Remove what a dead previous owner left in the folder (all but the lock we now hold)."""
+        previous = _Owner.read(self.folder)
+        freed = 0
+        for entry in self.folder.iterdir():
+            if entry.name == shm_lock.LOCK_FILE:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+                continue
+            try:
+                freed += entry.lstat().st_size
+            except FileNotFoundError:
+                continue
+            entry.unlink(missing_ok=True)
+        if previous is not None:
+            log.info(
+                "took over the checkpoint memory of a dead agent (pid %d on %s): %s, %s freed",
+                previous.pid,
+                previous.host,
+                self.folder,
+                _mib(freed),
+            )
 
     def __enter__(self) -> CheckpointKeeper:
         return self.start()
@@ -195,35 +356,48 @@ class CheckpointKeeper:
         self.stop()
 
     def _remove_stale(self) -> None:
-        host = socket.gethostname()
+        """Remove other agents' folders whose owner is gone (this node's own folder is taken in start)."""
         try:
             entries = [e for e in self.root.iterdir() if e.name.startswith(FOLDER_PREFIX) and e.is_dir()]
         except FileNotFoundError:
             raise KeeperError(f"the shared-memory root {self.root} does not exist") from None
         for folder in entries:
-            owner = _Owner.read(folder)
-            ours = folder == self.folder or (
-                owner is not None and (owner.job, owner.node) == (self.job_id, self.node_id)
-            )
-            if owner is None:
-                if not ours:
-                    continue  # not a folder of ours, or one still being set up: leave it
-            elif owner.host == host and owner.alive():
-                if ours:
-                    raise KeeperError(
-                        f"another agent (pid {owner.pid}) of job {self.job_id} node {self.node_id} holds "
-                        f"{folder}; give each agent its own --node-id"
-                    )
+            if folder == self.folder:
                 continue
-            elif not ours and owner.host != host:
-                continue  # another host's folder (a shared /dev/shm): its pids mean nothing here
-            log.info("removing the checkpoint memory of a dead agent: %s", folder)
-            shutil.rmtree(folder, ignore_errors=True)
+            try:
+                fd = shm_lock.try_lock(folder / shm_lock.LOCK_FILE)
+            except FileNotFoundError:
+                if self._dead_by_owner_record(folder):  # an older agent's folder, without a lock file
+                    _discard(folder)
+                continue
+            except OSError:
+                continue  # not ours to judge (e.g. another user's)
+            if fd is None:
+                continue  # its agent lives
+            try:
+                _discard(folder)
+            finally:
+                os.close(fd)
+
+    @staticmethod
+    def _dead_by_owner_record(folder: Path) -> bool:
+        owner = _Owner.read(folder)
+        # No record: not a folder of ours, or one still being set up. Another host's (a shared /dev/shm):
+        # its pids mean nothing here.
+        return owner is not None and owner.host == socket.gethostname() and not owner.alive()
 
     # -- reports ----------------------------------------------------------------------------------
-    def on_checkpoint(self, local_rank: int, step: int, location: str, persist_to: str = "") -> None:
+    def on_checkpoint(
+        self,
+        local_rank: int,
+        step: int,
+        location: str,
+        persist_to: str = "",
+        round_number: int | None = None,
+    ) -> None:
         """A worker reports a complete checkpoint; a location in this folder asks for a persist to
-        ``persist_to`` (default ``ckpt_dir``).
+        ``persist_to`` (default ``ckpt_dir``). ``round_number``: the worker's round (``ELASTIC_ROUND``),
+        which fences the commit; None from a worker that does not send it.
 
         Called from the progress channel's thread; never blocks on I/O.
         """
@@ -242,9 +416,10 @@ class CheckpointKeeper:
         with self._cond:
             # The latest report is the newest save (one writer per node), even at a lower step: after a
             # rollback to an earlier step, that is the run that goes on.
+            self.requests += 1
             if self._pending is not None:
                 self.skipped += 1
-            self._pending = (step, path, target)
+            self._pending = self._last_request = _Request(step, path, target, round_number)
             self._cond.notify_all()
 
     def wait_persisted(self, step: int, timeout: float) -> bool:
@@ -262,46 +437,97 @@ class CheckpointKeeper:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._pending is not None or self._stopping.is_set())
-                if self._pending is None:
-                    return  # stopping, nothing left
-                step, path, target = self._pending
-                self._pending = None
-                self._busy = True
+                if self._pending is None or self._abandon.is_set():
+                    return  # stopping, nothing left (or given up)
+                request, self._pending = self._pending, None
+                self._busy, self._current, self._progress_at = True, request, time.monotonic()
             try:
-                self._persist(step, path, target)
-            except FileNotFoundError:
-                log.info("checkpoint of step %d was replaced in memory before its persist; skipped", step)
-            except OSError as exc:
-                log.warning("could not persist the checkpoint of step %d to %s: %s", step, target, exc)
+                self._persist(request)
+            except OSError as exc:  # disk full, EIO, the fence lock held too long...
+                if not self._abandon.is_set():  # a persist given up at stop was reported by the stop
+                    self._fail(request, str(exc))
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._busy, self._current = False, None
                     self._cond.notify_all()
 
-    def _persist(self, step: int, source: Path, directory: Path) -> None:
-        started = time.monotonic()
-        # Open first: the worker may prune the file any time; an open file stays readable.
-        with source.open("rb") as src:
-            directory.mkdir(parents=True, exist_ok=True)
-            target = directory / source.name
-            layout.atomic_write(target, lambda dst: self._copy(src, dst, step))
-        layout.write_marker(directory, target)
-        layout.prune(directory, target, self.keep)
-        layout.remove_temp_files(directory)
+    def _fail(self, request: _Request, message: str) -> None:
+        text = f"step {request.step} to {request.target}: {message}"
         with self._cond:
-            self.persisted_step = step
+            self.failures += 1
+            self.persist_error = text
+        log.warning("could not persist the checkpoint of %s", text)
+
+    def _persist(self, request: _Request) -> None:
+        started = time.monotonic()
+        try:
+            # Open first: the worker may prune or recycle the file any time; an open file under the
+            # shared lock stays readable and unchanged.
+            src = layout.open_shared(request.source)
+        except FileNotFoundError:
+            log.info("checkpoint of step %d was replaced in memory before its persist; skipped", request.step)
+            return
+        with src:
+            request.target.mkdir(parents=True, exist_ok=True)
+            final = request.target / request.source.name
+            tmp = layout.write_temp(final, lambda dst: self._copy(src, dst, request.step))
+        if self._abandon.is_set():  # the stop gave this persist up: publish nothing behind its back
+            tmp.unlink(missing_ok=True)
+            return
+        decision = ckpt_fence.commit(
+            request.target,
+            tmp,
+            final,
+            round_=request.round,
+            step=request.step,
+            keep=self.keep,
+            lock_timeout_s=self.lock_timeout_s,
+            cancel=self._abandon,
+        )
+        if not decision.publish:
+            with self._cond:
+                self.superseded += 1
+            log.info("not persisting the checkpoint of step %d: %s", request.step, decision.why)
+            return
+        with self._cond:
+            self.persisted_step, self.persist_error = request.step, ""
+            self.persisted += 1
         log.debug(
-            "persisted the checkpoint of step %d to %s in %.2fs", step, target, time.monotonic() - started
+            "persisted the checkpoint of step %d to %s in %.2fs (%s)",
+            request.step,
+            final,
+            time.monotonic() - started,
+            decision.why,
         )
 
     def _copy(self, src: BinaryIO, dst: BinaryIO, step: int) -> None:
         first = True
+        unsynced = 0
         while chunk := src.read(_COPY_CHUNK):
             dst.write(chunk)
+            unsynced += len(chunk)
+            if unsynced >= _SYNC_EVERY:
+                # Flush as we go: the final fsync then stays short, so that a long silence means a hung
+                # disk (see stall_s), not a large checkpoint's last flush.
+                dst.flush()
+                os.fdatasync(dst.fileno())
+                unsynced = 0
+            self._progress_at = time.monotonic()
             if first and self.persist_delay_s and step >= self.persist_delay_from_step:
                 dst.flush()  # the torn temp file is visible on disk during the pause
                 self._stopping.wait(self.persist_delay_s)
             first = False
+
+
+def _discard(folder: Path) -> None:
+    """Remove a dead agent's folder: renamed away first, so that a new folder of that name is never hit."""
+    log.info("removing the checkpoint memory of a dead agent: %s", folder)
+    trash = folder.with_name(f".{folder.name}.{os.getpid()}.removing")
+    try:
+        folder.rename(trash)
+    except OSError:
+        trash = folder
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def keeper_for(

@@ -414,7 +414,7 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
         )
         channel = ProgressChannel(on_checkpoint=keeper.on_checkpoint)
         keeper.start()
-        agent = ElasticAgent(settings, client, group, channel, worker_env=keeper.worker_env())
+        agent = ElasticAgent(settings, client, group, channel, worker_env=keeper.worker_env(), keeper=keeper)
         return agent.run()
     except KeeperError as exc:
         raise AgentError(f"cannot set up the checkpoint shared memory: {exc}") from None

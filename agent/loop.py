@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agent.channel import ProgressChannel
+from agent.ckpt_keeper import CheckpointKeeper
 from agent.client import Backoff, MasterClient, MasterError, MasterRejectedError, MasterUnreachableError
 from agent.envcontract import worker_envs
 from agent.errors import EXIT_CONFIG, EXIT_FAILED, AgentError
@@ -34,6 +35,7 @@ from agent.settings import AgentSettings
 from agent.signals import SignalRouter
 from agent.workers import FailureInfo, WorkerExit, WorkerGroup, WorkerSpec
 from elastic.protocol import (
+    PERSIST_ERROR_MAX,
     Assignment,
     Command,
     CommandReply,
@@ -87,11 +89,13 @@ class ElasticAgent(HealthMixin):
         group: WorkerGroup,
         channel: ProgressChannel,
         worker_env: dict[str, str] | None = None,
+        keeper: CheckpointKeeper | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
         self.group = group
         self.channel = channel
+        self.keeper = keeper  # the node's checkpoint memory: swept after each stop, reported in heartbeats
         self.worker_env = dict(worker_env or {})  # added to every worker's environment (ELASTIC_SHM_DIR)
         self.events: queue.SimpleQueue[_Event] = queue.SimpleQueue()  # put() is safe in signal handlers
         self.view = _NodeView()
@@ -383,6 +387,9 @@ class ElasticAgent(HealthMixin):
         self.view = _NodeView(state=NodeState.WAITING)
         running = self.group.running()
         self.group.stop(self.settings.stop_grace_s)
+        if self.keeper is not None:
+            # A worker killed mid-save left a checkpoint-sized temp file; no worker writes now.
+            self.keeper.sweep(workers_stopped=True)
         if running:
             self.event_log.record("workers_stopped", local_ranks=running)
 
@@ -466,6 +473,7 @@ class ElasticAgent(HealthMixin):
                     compute_time_s=p.compute_time_s if p else None,
                 )
             )
+        persisted_step, persist_error = self.keeper.persist_status() if self.keeper else (None, "")
         return HeartbeatRequest(
             node_id=self.settings.node_id,
             round=view.round,
@@ -474,6 +482,8 @@ class ElasticAgent(HealthMixin):
             failure=view.failure,
             ckpt_step=self.channel.checkpointed_step() if view.state is not NodeState.WAITING else None,
             node_check=view.node_check,
+            persisted_step=persisted_step,
+            persist_error=persist_error[-PERSIST_ERROR_MAX:],
         )
 
     def _heartbeat_loop(self) -> None:

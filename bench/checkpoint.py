@@ -1,31 +1,42 @@
 """Checkpoint benchmark: how long a save blocks training, and how long a restore takes.
 
-    python bench/checkpoint.py                  # ~100 MB and ~1 GB states, 3 repeats each
-    python bench/checkpoint.py --smoke          # tiny sizes, one repeat (what the test runs)
+    python bench/checkpoint.py                      # ~100 MB and ~1 GB states, 5 repeats each
+    python bench/checkpoint.py --json /tmp/c.json   # also writes the save-vs-memcpy rows as JSON
+    python bench/checkpoint.py --smoke              # tiny sizes, one repeat (what the test runs)
 
-For each state size (float32 tensors of a model-like dict) it measures, in this process:
+For each state size (float32 tensors of a model-like dict) and each kind of checkpoint (``--kinds``;
+``replicated`` = ``elastic.save``; a ``sharded`` kind plugs into :data:`KINDS`) it measures, in this
+process as the worker, with the agent's checkpoint keeper and progress channel in a process of their
+own (bench/ckpt_agent.py):
 
-* ``flash save``: ``elastic.save(state, step)`` under a real checkpoint keeper (the agent's component,
-  run here in-process with its progress channel): the time the call blocks. The keeper's background
-  persist to disk is timed separately (``persist (background)``) and not overlapped with the next save.
+* ``first save``: the first ``elastic.save(state, step)``: it allocates and pre-faults the shared
+  memory segments (the double buffer); ``of which pre-faulting`` is that part.
+* ``flash save (blocking)``: the later saves (steady state: segments reused), the time the call blocks,
+  alternated with ``memory copy (Tensor.copy_)``: a copy of the same bytes (each storage, at the same
+  offsets) into a pre-faulted buffer of this process, the physical limit of any save that copies the
+  state once; ``save / memcpy`` is the ratio of the medians (the target: at most 1.25). The keeper's
+  background persist to disk is timed separately (``persist (background)``) and waited for before the
+  next measurement.
 * ``torch.save to disk``: ``torch.save`` into a file on disk (lands in the page cache, no fsync), and
   ``disk save (fsync)``: the atomic disk save of ``elastic.save`` without an agent (write, fsync,
   rename, marker): what a save blocked for before the flash checkpoint.
 * ``restore from memory``: ``elastic.load()`` from the shared-memory copy, and ``restore from disk``:
   from the persisted file with its pages evicted from the page cache first (posix_fadvise DONTNEED).
-* ``memory copy``: ``Tensor.copy_`` of the whole state into preallocated tensors: the physical limit
-  of any save that copies the state once.
 
 Prints one table (median and range over the repeats); nothing is left behind (temp folders, /dev/shm).
+With ``--json FILE`` it writes ``{"rows": [{"kind", "bytes", "save_block_s", "memcpy_s",
+"block_over_memcpy", ...}], "operations": [...], "machine": {...}}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,9 +49,8 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from agent.channel import ProgressChannel  # noqa: E402
-from agent.ckpt_keeper import CheckpointKeeper  # noqa: E402
-from elastic import checkpoint  # noqa: E402
+from bench import common  # noqa: E402
+from elastic import checkpoint, flash_format, flash_save  # noqa: E402
 from elastic import ckpt_layout as layout  # noqa: E402
 
 TENSORS_PER_STATE = 10
@@ -96,46 +106,130 @@ class Row:
         return [f"{self.size_mb:g} MB", self.name, f"{median:.3f}", spread, f"{rate:.2f}"]
 
 
-def bench_size(megabytes: float, repeats: int, disk_root: Path) -> list[Row]:
-    state = make_state(megabytes)
-    size = nbytes(state)
-    work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=disk_root))
-    rows: list[Row] = []
-    saved = {name: os.environ.get(name) for name in _FLASH_ENV}
-    keeper = CheckpointKeeper(f"bench-{os.getpid()}", "n0", keep=2).start()
-    channel = ProgressChannel(on_checkpoint=keeper.on_checkpoint)
-    try:
-        channel.reset(1)
+class FlashEnv:
+    """An agent's side of flash checkpoints: a real keeper and progress channel in a process of their
+    own (bench/ckpt_agent.py, as under elastic-run), and this process's worker environment pointing at
+    them (restored, and everything removed, on exit)."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.persisted = work / "persisted"  # where the keeper persists (elastic-run --ckpt-dir)
+        self._saved = {name: os.environ.get(name) for name in _FLASH_ENV}
+        self.agent = subprocess.Popen(
+            [sys.executable, str(REPO / "bench" / "ckpt_agent.py"), f"bench-{os.getpid()}", "n0"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            self.folder = Path(self._expect("folder"))
+            socket_path = self._expect("socket")
+        except BaseException:
+            self._kill()
+            raise
         os.environ.update(
-            ELASTIC_SHM_DIR=str(keeper.folder),
-            ELASTIC_AGENT_SOCKET=channel.path,
-            ELASTIC_CKPT_DIR=str(work / "persisted"),  # where the keeper persists (elastic-run --ckpt-dir)
+            ELASTIC_SHM_DIR=str(self.folder),
+            ELASTIC_AGENT_SOCKET=socket_path,
+            ELASTIC_CKPT_DIR=str(self.persisted),
             LOCAL_RANK="0",
             GROUP_RANK="0",
             RANK="0",
             WORLD_SIZE="1",
         )
         os.environ.pop("ELASTIC_COMMITTED_STEP", None)
-        flash, persist = [], []
-        for step in range(1, repeats + 1):
+
+    def _expect(self, word: str) -> str:
+        assert self.agent.stdout is not None
+        line = self.agent.stdout.readline()
+        if not line.startswith(f"{word} "):
+            raise RuntimeError(f"bench/ckpt_agent.py said {line!r}, expected {word!r}")
+        return line.strip().partition(" ")[2]
+
+    def _send(self, line: str) -> None:
+        assert self.agent.stdin is not None
+        self.agent.stdin.write(line + "\n")
+        self.agent.stdin.flush()
+
+    def wait_persisted(self, step: int) -> None:
+        self._send(f"wait {step}")
+        if self._expect("persisted") != str(step):
+            raise RuntimeError("the keeper did not finish persisting within 600 s")
+
+    def _kill(self) -> None:
+        self.agent.kill()  # our own child, by its pid
+        self.agent.wait()
+
+    def close(self) -> None:
+        flash_save.close_all()  # unmap the segments: their memory goes with the keeper's folder
+        try:
+            self._send("quit")
+            self._expect("stopped")
+            self.agent.wait(60)
+        except (OSError, RuntimeError, subprocess.TimeoutExpired):
+            self._kill()
+        finally:
+            for stream in (self.agent.stdin, self.agent.stdout):
+                if stream is not None:
+                    stream.close()
+        for name, value in self._saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def memcpy_baseline(state: dict[str, torch.Tensor]) -> Callable[[], None]:
+    """A copy of the bytes a flash save copies (each storage, at its offset in the file) into a buffer of
+    this process that is faulted in beforehand: what a save at memory speed costs."""
+    plan = flash_format.plan(state)
+    buffer = torch.zeros(plan.size, dtype=torch.uint8)  # zeros: every page faulted in now
+
+    def copy() -> None:
+        for slot in plan.storages:
+            buffer[slot.offset : slot.offset + slot.nbytes].copy_(slot.source)
+
+    copy()
+    return copy
+
+
+def bench_replicated(megabytes: float, repeats: int, work: Path) -> tuple[list[Row], dict]:
+    """``elastic.save`` of a replicated state: first save, steady saves against the memcpy baseline,
+    persist, restores, and the disk saves it replaced."""
+    state = make_state(megabytes)
+    size = nbytes(state)
+    rows: list[Row] = []
+    env = FlashEnv(work)
+    try:
+        start = time.perf_counter()
+        checkpoint.save(state, 1)
+        first = time.perf_counter() - start
+        first_stats = flash_save.history(env.folder)[0]
+        env.wait_persisted(1)
+        copy = memcpy_baseline(state)
+        flash, persist, memcpy = [], [], []
+        for step in range(2, repeats + 2):  # alternated: both see the same background load
             start = time.perf_counter()
             checkpoint.save(state, step)
             flash.append(time.perf_counter() - start)
             # Not part of the blocking time: the keeper copies to disk while training goes on. It is
             # waited for here only so that the next measurement does not compete with it.
             start = time.perf_counter()
-            if not keeper.wait_persisted(step, 600):
-                raise RuntimeError("the keeper did not finish persisting within 600 s")
+            env.wait_persisted(step)
             persist.append(time.perf_counter() - start)
+            memcpy.append(timed(copy, 1)[0])
+        del copy
+        rows.append(Row(megabytes, "first save (allocates the segments)", [first], size))
+        rows.append(Row(megabytes, "  of which pre-faulting", [first_stats.prefault_s], size))
         rows.append(Row(megabytes, "flash save (blocking)", flash, size))
+        rows.append(Row(megabytes, "memory copy (Tensor.copy_)", memcpy, size))
         rows.append(Row(megabytes, "  persist to disk (background)", persist, size))
 
         memory = timed(lambda: checkpoint.load(), repeats)
         rows.append(Row(megabytes, "restore from memory", memory, size))
 
-        persisted = layout.checkpoint_files(work / "persisted")[0][1]
+        persisted = layout.checkpoint_files(env.persisted)[0][1]
         os.environ.pop("ELASTIC_SHM_DIR")
-        disk = timed(lambda: checkpoint.load(work / "persisted"), repeats, before=lambda: evict(persisted))
+        disk = timed(lambda: checkpoint.load(env.persisted), repeats, before=lambda: evict(persisted))
         rows.append(Row(megabytes, "restore from disk (cold cache)", disk, size))
 
         plain = work / "plain.pt"
@@ -152,22 +246,39 @@ def bench_size(megabytes: float, repeats: int, disk_root: Path) -> list[Row]:
         steps = iter(range(1, 10**6))
         v0 = timed(lambda: checkpoint.save(state, next(steps), disk_dir, keep=1), repeats)
         rows.append(Row(megabytes, "disk save (torch.save+fsync+rename)", v0, size))
-
-        target = {name: torch.empty_like(t) for name, t in state.items()}
-        for name, t in state.items():  # fault the pages in once: a reused buffer is the best case
-            target[name].copy_(t)
-        copy = timed(lambda: [target[name].copy_(t) for name, t in state.items()], repeats)
-        rows.append(Row(megabytes, "memory copy (Tensor.copy_)", copy, size))
     finally:
-        channel.close()
-        keeper.stop()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        env.close()
+    block, base = statistics.median(flash), statistics.median(memcpy)
+    result = {
+        "kind": "replicated",
+        "bytes": size,
+        "save_block_s": block,
+        "memcpy_s": base,
+        "block_over_memcpy": block / base if base > 0 else None,
+        "save_block_range_s": [min(flash), max(flash)],
+        "memcpy_range_s": [min(memcpy), max(memcpy)],
+        "repeats": len(flash),
+        "first_save_s": first,
+        "first_save_prefault_s": first_stats.prefault_s,
+        "first_save_fresh_bytes": first_stats.fresh_bytes,
+    }
+    return rows, result
+
+
+#: Kinds of checkpoint measured, by ``--kinds`` name: each returns its table rows and one JSON row with
+#: at least kind, bytes, save_block_s, memcpy_s and block_over_memcpy. A ``sharded`` kind (the sharded
+#: flash save of another change) adds its function here.
+KINDS: dict[str, Callable[[float, int, Path], tuple[list[Row], dict]]] = {"replicated": bench_replicated}
+
+
+def bench_size(
+    megabytes: float, repeats: int, disk_root: Path, kind: str = "replicated"
+) -> tuple[list[Row], dict]:
+    work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=disk_root))
+    try:
+        return KINDS[kind](megabytes, repeats, work)
+    finally:
         shutil.rmtree(work, ignore_errors=True)
-    return rows
 
 
 def print_table(rows: list[Row]) -> None:
@@ -180,6 +291,37 @@ def print_table(rows: list[Row]) -> None:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
 
 
+def print_comparison(results: list[dict]) -> None:
+    headers = ["kind", "state", "save blocks (median s)", "memcpy (median s)", "save / memcpy"]
+    headers.append("first save s (of which pre-fault)")
+    lines = []
+    for r in results:
+        ratio = r["block_over_memcpy"]
+        first = r.get("first_save_s")
+        lines.append(
+            [
+                r["kind"],
+                f"{r['bytes'] / 1e6:.0f} MB",
+                f"{r['save_block_s']:.4f}",
+                f"{r['memcpy_s']:.4f}",
+                "n/a" if ratio is None else f"{ratio:.2f}x",
+                "n/a" if first is None else f"{first:.3f} ({r.get('first_save_prefault_s', 0.0):.3f})",
+            ]
+        )
+    print()
+    print(common.table(headers, lines))
+
+
+def machine() -> dict:
+    return {
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "load_average": list(os.getloadavg()),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -188,24 +330,55 @@ def main(argv: list[str] | None = None) -> None:
         "--sizes", default="100,1000", help="state sizes in MB, comma-separated (default %(default)s)"
     )
     parser.add_argument(
-        "--repeats", type=int, default=3, help="measurements per operation (default %(default)s)"
+        "--repeats", type=int, default=5, help="measurements per operation (default %(default)s)"
     )
     parser.add_argument(
         "--disk-dir", type=Path, default=None, help="folder on the disk to measure (default: temp)"
     )
+    parser.add_argument(
+        "--kinds", default="replicated", help=f"checkpoint kinds, comma-separated, of {sorted(KINDS)}"
+    )
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results as JSON")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and one repeat: checks that it runs")
     args = parser.parse_args(argv)
     sizes = [2.0] if args.smoke else [float(s) for s in args.sizes.split(",")]
     repeats = 1 if args.smoke else args.repeats
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        parser.error(f"unknown kind(s) {unknown}; known: {sorted(KINDS)}")
+    before = machine()
     print(
         f"# checkpoint benchmark: torch {torch.__version__}, {os.cpu_count()} CPU cores, "
         f"{platform.platform()}, {torch.get_num_threads()} torch threads; "
-        f"/dev/shm and {args.disk_dir or tempfile.gettempdir()}"
+        f"/dev/shm and {args.disk_dir or tempfile.gettempdir()}; load average "
+        + "/".join(f"{v:.2f}" for v in before["load_average"])
     )
-    rows = []
-    for size in sizes:
-        rows += bench_size(size, repeats, args.disk_dir or Path(tempfile.gettempdir()))
+    rows, results = [], []
+    for kind in kinds:
+        for size in sizes:
+            table, result = bench_size(size, repeats, args.disk_dir or Path(tempfile.gettempdir()), kind)
+            rows += table
+            results.append(result)
     print_table(rows)
+    print_comparison(results)
+    after = machine()
+    print("# load average at the end: " + "/".join(f"{v:.2f}" for v in after["load_average"]))
+    if args.json is not None:
+        operations = [
+            {
+                "state_mb": row.size_mb,
+                "operation": row.name.strip(),
+                "median_s": statistics.median(row.times),
+                "min_s": min(row.times),
+                "max_s": max(row.times),
+            }
+            for row in rows
+        ]
+        machine_info = {**after, "load_average_start": before["load_average"]}
+        args.json.write_text(
+            json.dumps({"rows": results, "operations": operations, "machine": machine_info}, indent=2) + "\n"
+        )
 
 
 if __name__ == "__main__":

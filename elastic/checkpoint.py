@@ -2,10 +2,13 @@
 
 Under elastic-run, :func:`save` is a *flash* save: it writes the state into the shared-memory folder
 that the node's agent owns (``ELASTIC_SHM_DIR``, in ``/dev/shm``) and returns; no disk I/O happens in
-the worker. The file is written under a temp name and renamed when complete (the rename is the commit),
-so a worker killed mid-save never leaves a torn checkpoint visible, and a worker killed right after a
-save leaves that save behind in the agent's memory. The agent persists it to ``ckpt_dir`` (default
-its ``--ckpt-dir``) in the background (see ``agent/ckpt_keeper.py``). Memory keeps the last
+the worker. It is a memory copy of the tensors' bytes into a shared-memory segment that is reused from
+save to save (already faulted in: :mod:`elastic.flash_save`, :mod:`elastic.segments`), in the raw
+format of :mod:`elastic.flash_format` (torch.save only for states that format does not describe). The
+file is written under a temp name and renamed when complete (the rename is the commit), so a worker
+killed mid-save never leaves a torn checkpoint visible, and a worker killed right after a save leaves
+that save behind in the agent's memory. The agent persists it to ``ckpt_dir`` (default its
+``--ckpt-dir``) in the background (see ``agent/ckpt_keeper.py``). Memory keeps the last
 :data:`MEMORY_KEEP` saves.
 
 The state of data-parallel training is the same on every rank, so on each node only local rank 0
@@ -22,20 +25,20 @@ first, then disk, agreed through the process group. It never restores a mix of s
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from elastic import ckpt_layout as layout
-from elastic import collectives, restore
+from elastic import collectives, flash_format, flash_save, restore, segments, torch_fallback
 from elastic.report import report, report_checkpoint
+from elastic.torch_fallback import estimated_size
 
 CKPT_DIR_ENV = "ELASTIC_CKPT_DIR"
 SHM_DIR_ENV = "ELASTIC_SHM_DIR"
@@ -45,12 +48,10 @@ CKPT_RESET_ENV = "ELASTIC_CKPT_RESET"
 LATEST_MARKER = layout.LATEST_MARKER
 #: Flash saves kept in shared memory per node: the newest and the one before it.
 MEMORY_KEEP = 2
-# torch.save's headers, pickled metadata and per-record alignment on top of the tensor bytes.
-_SIZE_SLACK_BYTES = 1 << 20
-_PER_TENSOR_SLACK_BYTES = 4096
 
 log = logging.getLogger(__name__)
 _warned_memory_only = False
+_warned_fallback = False
 
 
 class CheckpointError(Exception):
@@ -101,47 +102,6 @@ def flash_enabled() -> bool:
     return bool(os.environ.get(SHM_DIR_ENV))
 
 
-@contextlib.contextmanager
-def _without_crc32() -> Iterator[None]:
-    # torch.save's per-record CRC32 costs more than the copy itself (about 2x on a 1 GB state). The file
-    # is committed by rename only when whole, so a checksum adds no protection against torn files.
-    get = getattr(torch.serialization, "get_crc32_options", None)
-    set_ = getattr(torch.serialization, "set_crc32_options", None)
-    if get is None or set_ is None:
-        yield
-        return
-    previous = get()
-    set_(False)
-    try:
-        yield
-    finally:
-        set_(previous)
-
-
-def estimated_size(state: Any) -> int:
-    """Bytes a torch.save of ``state`` takes, about: its tensors' storages plus headers."""
-    seen: set[tuple[str, int]] = set()
-    total = _SIZE_SLACK_BYTES
-
-    def walk(obj: Any) -> None:
-        nonlocal total
-        if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            key = (str(obj.device), storage.data_ptr())
-            if key not in seen:
-                seen.add(key)
-                total += storage.nbytes() + _PER_TENSOR_SLACK_BYTES
-        elif isinstance(obj, dict):
-            for value in obj.values():
-                walk(value)
-        elif isinstance(obj, (list, tuple)):
-            for value in obj:
-                walk(value)
-
-    walk(state)
-    return total
-
-
 def _free_bytes(directory: Path) -> int:
     stats = os.statvfs(directory)
     return stats.f_bavail * stats.f_frsize
@@ -151,11 +111,16 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB"
 
 
-def _space_error(step: int, directory: Path, need: int, free: int) -> CheckpointError:
+def _space_error(
+    step: int, directory: Path, need: int, free: int, size: int | None = None
+) -> CheckpointError:
+    # ``size``: one flash file; memory holds MEMORY_KEEP of them (the double buffer), plus one while the
+    # agent persists the oldest.
+    total = "" if size is None else f" (the {MEMORY_KEEP} saves memory keeps take {_mib(MEMORY_KEEP * size)})"
     return CheckpointError(
-        f"not enough shared memory for the checkpoint of step {step}: it needs about {_mib(need)} in "
-        f"{directory}, only {_mib(free)} is available. Enlarge /dev/shm (docker run --shm-size, or a "
-        "Kubernetes emptyDir with medium: Memory and a sizeLimit) to at least "
+        f"not enough shared memory for the checkpoint of step {step}: it needs about {_mib(need)} more in "
+        f"{directory}{total}, only {_mib(free)} is available. Enlarge /dev/shm (docker run --shm-size, or "
+        "a Kubernetes emptyDir with medium: Memory and a sizeLimit) to at least "
         f"{MEMORY_KEEP + 1} times the checkpoint size"
     )
 
@@ -176,25 +141,45 @@ def _ensure_space(directory: Path, step: int, need: int) -> None:
         raise _space_error(step, directory, need, free)
 
 
-def _write_memory_checkpoint(state: dict[str, Any], step: int, directory: Path) -> Path:
+def _write_memory_checkpoint(
+    state: dict[str, Any], step: int, directory: Path, on_commit: Callable[[], None]
+) -> Path:
+    """Flash-save into the agent's folder (:mod:`elastic.flash_save`); ``on_commit()`` once it is
+    visible (later, from a background thread, when device copies are still running at the return)."""
+    global _warned_fallback
     if not directory.is_dir():
         raise CheckpointError(
             f"the agent's shared-memory folder {directory} ({SHM_DIR_ENV}) does not exist; "
             "is the elastic-run agent of this worker still running?"
         )
+    # A lambda: the module global is looked up at each call (tests replace it).
+    writer = flash_save.writer_for(directory, MEMORY_KEEP, lambda folder: _free_bytes(folder))
+    try:
+        return writer.save(state, step, on_commit)
+    except flash_format.Unsupported as exc:
+        if not _warned_fallback:
+            _warned_fallback = True
+            log.warning("elastic.save: the state holds %s: saving with torch.save (slower)", exc)
+    except segments.NoSpaceError as exc:
+        raise _space_error(step, directory, exc.need, exc.free, flash_format.plan(state).size) from None
+    except flash_save.AsyncSaveError as exc:
+        raise CheckpointError(str(exc)) from exc
+    path = _write_torch_memory_checkpoint(state, step, directory)
+    writer.forget_removed()  # the pruned segments' memory goes back now
+    on_commit()
+    return path
+
+
+def _write_torch_memory_checkpoint(state: dict[str, Any], step: int, directory: Path) -> Path:
+    """The fallback for states the flash format does not describe: torch.save into a new file."""
     need = estimated_size(state)
     _ensure_space(directory, step, need)
-    final = directory / layout.step_file_name(step)
     try:
-        with _without_crc32():
-            # No fsync: the folder is in memory. Only the rename makes the checkpoint visible.
-            layout.atomic_write(final, lambda f: torch.save({"step": step, "state": state}, f), durable=False)
+        return torch_fallback.write(state, step, directory, MEMORY_KEEP)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise _space_error(step, directory, need, _free_bytes(directory)) from exc
         raise
-    layout.prune(directory, final, MEMORY_KEEP)
-    return final
 
 
 # -- save -------------------------------------------------------------------------------------------
@@ -212,11 +197,13 @@ def save(
     Call it on every rank with the same (replicated) state.
 
     Under elastic-run (``ELASTIC_SHM_DIR`` set) the save is a flash save: local rank 0 of each node
-    writes the state into the agent's shared memory and every rank reports the step to its agent; the
-    call returns without disk I/O. With ``persist`` (the default) the agent of node rank 0 then copies
-    it to ``ckpt_dir`` (default ``ELASTIC_CKPT_DIR``, i.e. elastic-run's ``--ckpt-dir``) in the
-    background, keeping elastic-run's ``--ckpt-keep``; ``persist=False`` keeps this save in memory only
-    (e.g. save to memory every step, persist every N steps). ``keep`` and ``rank`` are not used then.
+    writes the state into the agent's shared memory (a memory copy into a reused segment, see
+    :mod:`elastic.flash_save`; GPU tensors are copied asynchronously and the save is reported once
+    they are in) and every rank reports the step to its agent; the call returns without disk I/O.
+    With ``persist`` (the default) the agent of node rank 0 then copies it to ``ckpt_dir`` (default
+    ``ELASTIC_CKPT_DIR``, i.e. elastic-run's ``--ckpt-dir``) in the background, keeping elastic-run's
+    ``--ckpt-keep``; ``persist=False`` keeps this save in memory only (e.g. save to memory every step,
+    persist every N steps). ``keep`` and ``rank`` are not used then.
 
     Without an agent, global rank 0 writes the checkpoint to ``ckpt_dir`` atomically (temp file, fsync,
     rename, then the ``latest`` marker) and keeps the newest ``keep``; the other ranks return at once.
@@ -238,7 +225,8 @@ def save(
         ValueError: no directory configured (disk mode), a negative ``step``, or ``keep < 1``.
         TypeError: ``state`` is not a dict.
         CheckpointError: the shared-memory folder is too small for the state (the message names the
-            size needed and the size available) or is gone.
+            size needed and the size available) or is gone, or the background part of the previous
+            save (device-to-host copies of GPU state) failed.
     """
     _check_args(state, step)
     if keep < 1:
@@ -257,9 +245,8 @@ def _flash_save(
     persist: bool,
 ) -> Path | None:
     global _warned_memory_only
-    path = None
-    if _node_local_rank() == 0:
-        path = _write_memory_checkpoint(state, step, shm_dir)
+    writes = _node_local_rank() == 0
+    path = shm_dir / layout.step_file_name(step) if writes else None
     # A location asks the agent to persist the file: only one node does, the others keep memory copies.
     location = persist_to = ""
     if path is not None and persist and _env_int("GROUP_RANK", 0) == 0:
@@ -273,8 +260,13 @@ def _flash_save(
                 "elastic.save: no checkpoint folder (ckpt_dir, or elastic-run --ckpt-dir): checkpoints "
                 "stay in shared memory only and do not survive the node"
             )
-    report_checkpoint(step, location, persist_to)
-    return path
+    if path is None:
+        report_checkpoint(step)
+        return None
+    # Reported once the file is visible: at the return, or later for device state (async copies).
+    return _write_memory_checkpoint(
+        state, step, shm_dir, lambda: report_checkpoint(step, location, persist_to)
+    )
 
 
 def _disk_save(state: dict[str, Any], step: int, directory: Path, keep: int, rank: int) -> Path | None:
@@ -294,7 +286,7 @@ def _disk_save(state: dict[str, Any], step: int, directory: Path, keep: int, ran
 # -- load -------------------------------------------------------------------------------------------
 def _load_file(path: Path, map_location: Any) -> tuple[dict[str, Any], int]:
     try:
-        return restore.parse_torch_checkpoint(path.read_bytes(), map_location)
+        return restore.parse_checkpoint(path.read_bytes(), map_location)
     except ValueError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
 
@@ -404,6 +396,7 @@ def load(
             load it; or in a multi-rank world without a process group, checkpoints exist but no
             committed step says which to restore.
     """
+    flash_save.wait_all()  # a save whose device copies are still running is in the folder first
     copies = _local_copies(ckpt_dir)
     if os.environ.get(CKPT_RESET_ENV, "") in ("1", "true", "yes") and copies:
         # This rank holds nothing, but still takes part in the agreement: another rank's copy wins.
@@ -422,7 +415,7 @@ def load(
     rank = torch.distributed.get_rank() if world > 0 else 0
     try:
         found = restore.restore(
-            copies, world, rank, wanted, lambda data: restore.parse_torch_checkpoint(data, map_location)
+            copies, world, rank, wanted, lambda data: restore.parse_checkpoint(data, map_location)
         )
     except restore.NothingLoadableError as exc:
         if wanted is not None:

@@ -22,6 +22,8 @@ MAX_BODY_BYTES = 64 * 1024
 LONG_POLL_CAP_S = 30.0
 
 _ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
+#: Longest persist error an agent reports (the tail of it is kept).
+PERSIST_ERROR_MAX = 2000
 
 
 _HOST_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
@@ -175,6 +177,15 @@ class HeartbeatRequest(_Model):
     failure: WorkerFailure | None = None
     ckpt_step: int | None = Field(default=None, description="Newest step all local ranks have checkpointed.")
     node_check: NodeCheckResult | None = Field(default=None, description="Result of this node's check.")
+    persisted_step: int | None = Field(
+        default=None, description="Step of the last checkpoint this node's agent made durable on disk."
+    )
+    persist_error: str = Field(
+        default="",
+        max_length=PERSIST_ERROR_MAX,
+        description="Why the agent's last persist failed, or that the running one makes no progress; "
+        "empty while persists succeed.",
+    )
 
 
 class CommandReply(_Model):
@@ -220,6 +231,8 @@ class NodeStatus(_Model):
     straggler: bool = False
     node_check: NodeCheckResult | None = None
     node_check_verdict: str = Field(default="", description="ok | slow: ... | failed: ... (and excluded)")
+    persisted_step: int | None = Field(default=None, description="Last step this node made durable on disk.")
+    persist_error: str = Field(default="", description="This node's last persist error, if persists fail.")
 
 
 class JobStatus(_Model):
@@ -233,6 +246,9 @@ class JobStatus(_Model):
     max_restarts: int
     outcome: Outcome | None = None
     committed_step: int | None = None
+    persisted_step: int | None = Field(
+        default=None, description="Newest step any node made durable on disk (soft state, from heartbeats)."
+    )
     nodes: list[NodeStatus]
 
 

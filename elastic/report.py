@@ -1,8 +1,11 @@
 """Progress reports from a worker to its node's agent: a local datagram, never a network call.
 
 The agent listens on a Unix datagram socket named by ``ELASTIC_AGENT_SOCKET``. A report is one small
-JSON datagram, sent without blocking; if the agent is not listening (e.g. the script runs under plain
-torchrun) reports are silently dropped, so calling :func:`report` is always safe and cheap.
+JSON datagram. Step reports are sent without blocking: progress is advisory, and one dropped while the
+agent is busy is superseded by the next. Checkpoint reports are the agent's persist requests, so they
+must arrive: they wait (at most :data:`CKPT_SEND_TIMEOUT_S`) for room in the agent's queue, which the
+kernel never drops from. If the agent is not listening (e.g. the script runs under plain torchrun)
+reports are silently dropped, so calling :func:`report` is always safe and cheap.
 
 Stack dumps for hang verdicts: the first report arms ``faulthandler`` on SIGUSR1 (all threads), writing
 to the file the agent names in ``ELASTIC_STACK_FILE``; before the agent kills a hung worker it sends
@@ -19,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
+import logging
 import os
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -30,8 +35,13 @@ SOCKET_ENV = "ELASTIC_AGENT_SOCKET"
 STACK_FILE_ENV = "ELASTIC_STACK_FILE"
 #: The signal that makes an armed worker write its Python stack (all threads) to its stack file.
 STACK_SIGNAL = signal.SIGUSR1
+#: Longest wait of a checkpoint report for room in the agent's queue (the agent is stalled, e.g. SIGSTOP).
+CKPT_SEND_TIMEOUT_S = 10.0
+ROUND_ENV = "ELASTIC_ROUND"
 
+log = logging.getLogger(__name__)
 _sock: socket.socket | None = None
+_reliable_sock: socket.socket | None = None  # blocking, with a send timeout: checkpoint reports
 _path: str | None = None
 _armed = False
 _stack_file = None  # kept open for the process's life: faulthandler writes to its descriptor
@@ -67,23 +77,48 @@ def add_comm_wait(seconds: float) -> None:
         _tracking = True
 
 
-def _send(message: dict) -> None:
-    global _sock, _path
+def _sockets(path: str) -> tuple[socket.socket, socket.socket]:
+    """The non-blocking socket of step reports and the blocking one of checkpoint reports."""
+    global _sock, _reliable_sock, _path
+    if _sock is None or _reliable_sock is None or _path != path:
+        _sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        _sock.setblocking(False)
+        _reliable_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        # The kernel's own send timeout: a blocking send to a full Unix datagram queue sleeps until the
+        # receiver reads (Python's settimeout would poll the unconnected socket in a busy loop).
+        seconds = int(CKPT_SEND_TIMEOUT_S)
+        timeval = struct.pack("ll", seconds, int((CKPT_SEND_TIMEOUT_S - seconds) * 1e6))
+        _reliable_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        _path = path
+    return _sock, _reliable_sock
+
+
+def _send(message: dict, *, reliable: bool = False) -> None:
     if not _armed:
         _arm_stack_dump()
     path = os.environ.get(SOCKET_ENV)
     if not path:
         return
-    if _sock is None or _path != path:
-        _sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        _sock.setblocking(False)
-        _path = path
+    fast, sure = _sockets(path)
     # ELASTIC_LOCAL_RANK: the real local rank, also under --virtual-local-rank (LOCAL_RANK=0 everywhere).
     message["r"] = int(os.environ.get("ELASTIC_LOCAL_RANK") or os.environ.get("LOCAL_RANK", "0"))
     message["t"] = time.time()
-    # The agent may be busy or gone (OSError): progress is advisory, a training step never waits for it.
-    with contextlib.suppress(OSError):
-        _sock.sendto(json.dumps(message, separators=(",", ":")).encode(), path)
+    data = json.dumps(message, separators=(",", ":")).encode()
+    if not reliable:
+        # The agent may be busy or gone (OSError): progress is advisory, a training step never waits for it.
+        with contextlib.suppress(OSError):
+            fast.sendto(data, path)
+        return
+    try:
+        sure.sendto(data, path)
+    except (BlockingIOError, TimeoutError):
+        log.warning(
+            "elastic: the agent took no checkpoint report for %gs (is it stopped?); step %s not reported",
+            CKPT_SEND_TIMEOUT_S,
+            message.get("step"),
+        )
+    except OSError:
+        pass  # no agent listens (gone, or never there): nothing to report to
 
 
 def report(step: int) -> None:
@@ -110,8 +145,11 @@ def report_checkpoint(step: int, location: str = "", persist_to: str = "") -> No
     """Tell the agent this worker holds a complete checkpoint of ``step`` (feeds the committed step).
 
     ``location``: the checkpoint file in the agent's shared memory, when the agent should persist it;
-    ``persist_to``: the folder to persist it to (default: the agent's ``--ckpt-dir``)."""
-    message = {"k": "ckpt", "step": int(step), "loc": location}
+    ``persist_to``: the folder to persist it to (default: the agent's ``--ckpt-dir``). Waits for room in
+    the agent's queue, at most :data:`CKPT_SEND_TIMEOUT_S` (then the report is dropped with a warning)."""
+    message: dict = {"k": "ckpt", "step": int(step), "loc": location}
     if persist_to:
         message["dir"] = persist_to
-    _send(message)
+    with contextlib.suppress(KeyError, ValueError):  # the round fences the agent's persist (agent.ckpt_fence)
+        message["rd"] = int(os.environ[ROUND_ENV])
+    _send(message, reliable=True)

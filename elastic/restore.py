@@ -15,16 +15,14 @@ The planning (:func:`plan`) is pure; :func:`restore` does the collectives and th
 
 from __future__ import annotations
 
-import io
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from elastic import collectives
+from elastic import ckpt_layout as layout
+from elastic import collectives, flash_format
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +60,8 @@ def read_valid(
     """The bytes of the first of ``paths`` that ``parse`` accepts (it raises on a bad file), parsed."""
     for path in paths:
         try:
-            data = path.read_bytes()
+            # Under a shared lock: the flash writer of a shared-memory folder never recycles it meanwhile.
+            data = layout.read_shared(path)
             return data, parse(data)
         except Exception as exc:  # noqa: BLE001 - any failure to read or parse means: try the next copy
             log.warning("skipping unreadable checkpoint %s: %s", path, exc)
@@ -125,17 +124,17 @@ def _raise_if_held(failed_steps: set[int], errors: list[str]) -> None:
         raise NothingLoadableError(f"steps {sorted(failed_steps)} are held but none loads; here: {here}")
 
 
-def parse_torch_checkpoint(data: bytes, map_location: Any) -> tuple[dict[str, Any], int]:
+def parse_checkpoint(data: bytes, map_location: Any) -> tuple[dict[str, Any], int]:
     """``(state, step)`` from the bytes of a file written by ``elastic.save``; raises if it is not one.
 
-    ``weights_only=True``: unpickling may only rebuild tensors, primitives and containers, never run code,
-    so a checkpoint folder on a shared file system cannot be used to execute code in the job.
+    A flash file (:mod:`elastic.flash_format`, recognised by its magic: memory copies, and the disk copies
+    the agent persists byte for byte) or a torch.save file (disk saves without an agent, older runs).
+    Neither runs code: the flash format is JSON plus raw tensor bytes, and torch.save files load with
+    ``weights_only=True``, so a checkpoint folder on a shared file system cannot be used to execute code
+    in the job.
     """
-    payload = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
-    if not (
-        isinstance(payload, dict)
-        and isinstance(payload.get("step"), int)
-        and isinstance(payload.get("state"), dict)
-    ):
-        raise ValueError("not a checkpoint written by elastic.save")
-    return payload["state"], payload["step"]
+    return flash_format.parse(data, map_location)
+
+
+#: The name of :func:`parse_checkpoint` before flash files had their own format.
+parse_torch_checkpoint = parse_checkpoint

@@ -88,6 +88,9 @@ class NodeInfo:
     failures: int = 0
     workers: list[WorkerProgress] = field(default_factory=list)
     ckpt_step: int | None = None
+    # Soft state from heartbeats (never stored): the node's durable checkpoint and its persist trouble.
+    persisted_step: int | None = None
+    persist_error: str = ""
 
     @property
     def step(self) -> int | None:
@@ -211,6 +214,7 @@ class Job:
         if req.node_id not in self._succeeded:  # a finished node is no longer watched for liveness
             self.liveness.beat(req.node_id, now)
         node.workers = list(req.workers)
+        self._note_persist(node, req, now)
         if req.ckpt_step is not None and req.round == self.rdzv.round:
             node.ckpt_step = req.ckpt_step  # the committed step follows in tick() (_refresh_aggregates)
         current_round = req.round == self.rdzv.round and self.rdzv.is_member(req.node_id)
@@ -333,6 +337,8 @@ class Job:
                     straggler=node.node_id in self.stragglers.flagged,
                     node_check=self.node_check.results.get(node.node_id),
                     node_check_verdict=verdict.describe() if verdict else "",
+                    persisted_step=node.persisted_step,
+                    persist_error=node.persist_error,
                 )
             )
         if self.outcome is not None:
@@ -350,6 +356,9 @@ class Job:
             max_restarts=self.settings.max_restarts,
             outcome=self.outcome,
             committed_step=self.committed_step,
+            persisted_step=max(
+                (r.persisted_step for r in rows if r.persisted_step is not None), default=None
+            ),
             nodes=rows,
         )
 
@@ -453,6 +462,23 @@ class Job:
         self._aggregates_at = now
         self._update_committed_step()
         self._update_stragglers(now)
+
+    def _note_persist(self, node: NodeInfo, req: HeartbeatRequest, now: float) -> None:
+        """Record a node's persist status (soft state); an event only when persisting starts failing or
+        recovers, never per step, so that a failing disk does not write the store at every heartbeat."""
+        if req.persisted_step is not None:
+            node.persisted_step = req.persisted_step
+        if req.persist_error and not node.persist_error:
+            self._event(
+                now, "persist_failed", f"node {node.node_id}: checkpoint persist failed: {req.persist_error}"
+            )
+        elif node.persist_error and not req.persist_error:
+            self._event(
+                now,
+                "persist_recovered",
+                f"node {node.node_id}: checkpoints persist again (persisted step {node.persisted_step})",
+            )
+        node.persist_error = req.persist_error
 
     def _update_stragglers(self, now: float) -> None:
         """Re-judge the paces of the running round's members; an event per node that changed."""

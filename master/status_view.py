@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from elastic.protocol import JobStatus, NodeStatus
+from elastic.text import printable
 from master.node_check import describe_figures
 
 COLUMNS = ("NODE", "RANK", "STATE", "HEARTBEAT AGE", "RESTARTS", "ROUND", "WORLD", "STEP TIME", "FLAGS")
 
 
 def render_status(job: JobStatus) -> str:
-    """The job headline, then one row per node."""
+    """The job headline, then one row per node, then the node-check figures and persist errors."""
     head = (
         f"job {job.job_id}: {job.phase}, round {job.round}, {job.nnodes} node(s), world size "
         f"{job.world_size}, restarts {job.restart_count}/{job.max_restarts}"
     )
+    if job.committed_step is not None or job.persisted_step is not None:
+        head += f"; checkpoint step {_or_dash(job.committed_step)}, on disk {_or_dash(job.persisted_step)}"
     if job.outcome is not None:
         head += f"; outcome: {job.outcome.summary} (exit {job.outcome.exit_code})"
     rows = [COLUMNS]
@@ -45,7 +48,18 @@ def render_status(job: JobStatus) -> str:
         for node in sorted(job.nodes, key=lambda n: n.node_id)
         if node.node_check is not None and node.node_check_verdict
     ]
-    return "\n".join([head, *lines, *checks])
+    persist = [
+        f"persist error on node {node.node_id} (on disk: step {_or_dash(node.persisted_step)}): "
+        f"{node.persist_error}"
+        for node in sorted(job.nodes, key=lambda n: n.node_id)
+        if node.persist_error
+    ]
+    # Summaries, errors and verdicts quote what nodes and workers sent: one line each, no terminal escapes.
+    return "\n".join(printable(line) for line in [head, *lines, *checks, *persist])
+
+
+def _or_dash(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def _step_time(node: NodeStatus) -> str:

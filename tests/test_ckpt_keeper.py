@@ -17,7 +17,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from e2e import wait_until
 
+from agent import ckpt_fence
 from agent.channel import ProgressChannel
 from agent.ckpt_keeper import (
     DEFAULT_ROOT,
@@ -138,7 +140,8 @@ def test_reported_checkpoint_is_persisted_atomically_with_marker_and_keep(
         keeper.on_checkpoint(0, step, str(path))
         assert keeper.wait_idle(10)
 
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_0000000002.pt", "step_0000000003.pt"]
+    visible = sorted(p.name for p in ckpt.iterdir() if p.name != ckpt_fence.FENCE_FILE)
+    assert visible == ["latest", "step_0000000002.pt", "step_0000000003.pt"]
     assert (ckpt / "latest").read_text() == "step_0000000003.pt"
     assert (ckpt / "step_0000000003.pt").read_bytes() == b"state of step 3"
     assert keeper.persisted_step == 3
@@ -209,9 +212,16 @@ def test_stop_ends_a_persist_pause_and_flushes_what_is_pending(root: Path, tmp_p
     keeper.on_checkpoint(0, 1, str(worker_save(keeper.folder, 1)))
     assert keeper.wait_idle(10)  # step 1: no pause
     keeper.on_checkpoint(0, 2, str(worker_save(keeper.folder, 2, b"x" * (9 << 20))))
+
+    def torn_files() -> list[Path]:
+        return [p for p in (tmp_path / "ckpt").iterdir() if p.name.endswith(".tmp") and p.stat().st_size]
+
+    # Step 3 is reported only once step 2's persist has begun: reported earlier, it would replace step 2
+    # in the pending slot (by design) and step 2 would never be persisted.
+    wait_until(torn_files, 10, "step 2's persist to pause mid-copy")
     keeper.on_checkpoint(0, 3, str(worker_save(keeper.folder, 3)))
     assert not keeper.wait_idle(0.2), "step 2 pauses mid-copy"
-    torn = [p for p in (tmp_path / "ckpt").iterdir() if p.name.endswith(".tmp")]
+    torn = torn_files()
     assert len(torn) == 1 and torn[0].stat().st_size > 0, "a torn temp file is what a crash would leave"
     assert (tmp_path / "ckpt" / "latest").read_text() == "step_0000000001.pt"
 

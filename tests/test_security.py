@@ -35,3 +35,22 @@ def test_a_master_off_loopback_without_a_token_is_refused_before_any_connection(
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("elastic-run: error: "), result.stderr
     assert "--token-file" in lines[0] and "ELASTIC_TOKEN" in lines[0]
+
+
+@pytest.mark.timeout(10)
+def test_the_status_table_escapes_what_nodes_sent() -> None:
+    from elastic.protocol import HeartbeatRequest, JoinRequest, NodeState
+    from master.job import Job
+    from master.settings import JobSettings
+    from master.status_view import render_status
+
+    job = Job(JobSettings(job_id="j", min_nodes=1, max_nodes=1, last_call_s=0.0), now=0.0)
+    job.join(JoinRequest(node_id="a", host="h", nproc=1, store_port=2000, min_nodes=1, max_nodes=1), 0.0)
+    job.tick(0.0)
+    forged = "disk full\nFAKE [elastic.master] job_succeeded\x1b[2J"
+    beat = HeartbeatRequest(node_id="a", round=job.rdzv.round, state=NodeState.RUNNING, persist_error=forged)
+    job.heartbeat(beat, 1.0)
+    table = render_status(job.status(1.0))
+    assert "\x1b" not in table
+    assert not [line for line in table.splitlines() if line.startswith("FAKE")], table
+    assert "disk full\\nFAKE [elastic.master] job_succeeded\\x1b[2J" in table

@@ -14,6 +14,7 @@ from torch import nn
 
 import elastic
 from elastic import checkpoint, distributed
+from elastic import ckpt_layout as layout
 from elastic.checkpoint import CheckpointError, load_latest, save
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -152,16 +153,21 @@ def test_save_keeps_only_the_newest_checkpoints(tmp_path: Path) -> None:
 @pytest.mark.timeout(30)
 def test_leftover_temp_file_of_a_killed_save_is_never_loaded(tmp_path: Path) -> None:
     save({"w": torch.ones(2)}, 10, tmp_path, rank=0)
-    # What a save killed midway leaves: a newer, torn temp file.
-    (tmp_path / ".step_0000000020.pt.4242.deadbeef.tmp").write_bytes(b"torn")
+    # What a save killed midway leaves: a newer, torn temp file named after its (now dead) writer.
+    writer = subprocess.Popen([sys.executable, "-c", "pass"])
+    writer.wait()
+    tag = f"{layout.host_tag()}.{writer.pid}.deadbeef"
+    (tmp_path / f".step_0000000020.pt.{tag}.tmp").write_bytes(b"torn")
 
     loaded = load_latest(tmp_path)
 
     assert loaded is not None and loaded[1] == 10
-    (tmp_path / ".latest.4242.deadbeef.tmp").write_bytes(b"step_00")
-    assert len(list(tmp_path.glob("*.tmp"))) == 2
+    (tmp_path / f".latest.{tag}.tmp").write_bytes(b"step_00")
+    mine = layout.temp_path(tmp_path / "step_0000000040.pt")  # a live writer's (this process): kept
+    mine.write_bytes(b"in progress")
+    assert len(list(tmp_path.glob("*.tmp"))) == 3
     save({"w": torch.ones(2)}, 30, tmp_path, rank=0)
-    assert not list(tmp_path.glob("*.tmp")), "the next save removes leftovers"
+    assert list(tmp_path.glob("*.tmp")) == [mine], "the next save removes dead writers' leftovers only"
 
 
 @pytest.mark.timeout(30)
