@@ -7,7 +7,7 @@ import logging
 import time
 
 from agent.client import MasterClient
-from agent.errors import EXIT_CONFIG, AgentError, MasterError, MasterUnreachableError
+from agent.errors import EXIT_CONFIG, AgentError, MasterError, MasterTLSError, MasterUnreachableError
 from agent.net import split_address
 from agent.settings import AgentSettings
 
@@ -20,9 +20,18 @@ def connect_or_host_master(settings: AgentSettings, embed_at: str | None):
         from master.server import EmbeddedMaster  # the web stack (~0.3 s of imports) only when hosting
         from master.settings import ServerSettings
 
+        # On 127.0.0.1 only, so plain http: a --tls-ca (or ELASTIC_TLS_CA) meant for daemons is not used.
         master = EmbeddedMaster(ServerSettings(job=settings.job, token=settings.token)).start()
-        return master, dataclasses.replace(settings, masters=(master.address,))
-    client = MasterClient(list(settings.masters), settings.job.job_id, settings.token, request_timeout=3.0)
+        return master, dataclasses.replace(settings, masters=(master.address,), tls_ca=None)
+    client = MasterClient(
+        list(settings.masters),
+        settings.job.job_id,
+        settings.token,
+        request_timeout=3.0,
+        tls_ca=settings.tls_ca,
+    )
+    # Agents that verify the master's certificate host one only when they have a certificate to serve.
+    may_host = embed_at is not None and (settings.tls_ca is None or settings.tls_cert is not None)
     deadline = time.monotonic() + settings.master_timeout_s
     try:
         while True:
@@ -30,7 +39,7 @@ def connect_or_host_master(settings: AgentSettings, embed_at: str | None):
                 client.info()
                 return None, settings
             except MasterUnreachableError:
-                if embed_at is not None:
+                if may_host and embed_at is not None:
                     from master.server import EmbeddedMaster, bind_socket
                     from master.settings import ServerSettings
 
@@ -40,16 +49,30 @@ def connect_or_host_master(settings: AgentSettings, embed_at: str | None):
                     except OSError:
                         sock = None  # another agent on this machine is starting it; wait for it to answer
                     if sock is not None:
-                        server = ServerSettings(job=settings.job, token=settings.token, host=host, port=port)
+                        server = ServerSettings(
+                            job=settings.job,
+                            token=settings.token,
+                            host=host,
+                            port=port,
+                            tls_cert=settings.tls_cert,
+                            tls_key=settings.tls_key,
+                        )
                         master = EmbeddedMaster(server, sock=sock).start()
                         log.info("no master answered at %s; this agent hosts it (convenience mode)", embed_at)
                         return master, dataclasses.replace(settings, host_master_at=embed_at)
                 if time.monotonic() > deadline:
+                    hint = (
+                        " (with --tls-ca, an agent hosts the master only when given --tls-cert/--tls-key)"
+                        if embed_at is not None and not may_host
+                        else ""
+                    )
                     raise AgentError(
                         f"no job master answered at {', '.join(settings.masters)} within "
-                        f"{settings.master_timeout_s:g}s; start elastic-master there or check --master"
+                        f"{settings.master_timeout_s:g}s; start elastic-master there or check --master{hint}"
                     ) from None
                 time.sleep(0.2)  # the master may still be starting
+            except MasterTLSError as exc:
+                raise AgentError(str(exc), EXIT_CONFIG) from None
             except MasterError as exc:
                 code = EXIT_CONFIG if getattr(exc, "status", 0) in (401, 409) else 1
                 raise AgentError(

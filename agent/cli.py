@@ -130,6 +130,39 @@ def _token(token_file: str | None, job_id: str, masters: tuple[str, ...]) -> str
     raise click.UsageError(_NO_TOKEN_HELP)
 
 
+def _tls(o: dict, standalone: bool, embed: str | None) -> tuple[str | None, str | None, str | None]:
+    """``(tls_ca, tls_cert, tls_key)`` checked: --tls-ca makes the agent speak https to every master
+    address; --tls-cert/--tls-key serve the master this agent may host (convenience mode) over https."""
+    ca, cert, key = o["tls_ca"], o["tls_cert"], o["tls_key"]
+    if bool(cert) != bool(key):
+        raise click.UsageError("--tls-cert and --tls-key go together: give both or neither")
+    if cert and standalone:
+        raise click.UsageError(
+            "--tls-cert/--tls-key are for the master an agent hosts for other nodes; the --standalone "
+            "master listens on 127.0.0.1 only and speaks plain http"
+        )
+    if cert and not ca:
+        raise click.UsageError(
+            "--tls-cert/--tls-key need --tls-ca: every agent, the hosting one included, verifies the "
+            "master's certificate"
+        )
+    if standalone:
+        return None, None, None  # the embedded master is on loopback: a CA meant for daemons is not used
+    from elastic.tls import TLSConfigError, client_context, server_context  # ssl: only when asked for
+
+    try:
+        if ca:
+            client_context(ca)
+    except TLSConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--tls-ca") from None
+    try:
+        if cert and key and embed is not None:  # the other nodes of a torchrun-style command never host
+            server_context(cert, key)
+    except TLSConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--tls-cert/--tls-key") from None
+    return ca, cert, key
+
+
 CONTEXT = {
     "help_option_names": ["-h", "--help"],
     "auto_envvar_prefix": "PET",
@@ -189,6 +222,27 @@ CONTEXT = {
     type=click.Path(dir_okay=False),
     default=None,
     help="File with the job's bearer token (default: ELASTIC_TOKEN, else derived from the job id).",
+)
+@click.option(
+    "--tls-ca",
+    type=click.Path(dir_okay=False),
+    envvar="ELASTIC_TLS_CA",  # elastic.tls.TLS_CA_ENV, not imported at start (ssl costs milliseconds)
+    default=None,
+    help="Speak https to the master and verify its certificate with this PEM CA file (default: "
+    "ELASTIC_TLS_CA); not used with --standalone.",
+)
+@click.option(
+    "--tls-cert",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Convenience mode: the master this agent hosts serves https with this PEM certificate; needs "
+    "--tls-key and --tls-ca.",
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Convenience mode: the PEM private key (unencrypted) of --tls-cert.",
 )
 @click.option("--node-id", default=None, help="Stable id of this node (default: HOSTNAME-PID).")
 @click.option(
@@ -359,6 +413,7 @@ def _settings(o: dict, given: frozenset[str] = frozenset()) -> tuple[AgentSettin
     embed = None
     if not standalone and len(masters) == 1 and is_local_host(split_address(masters[0])[0]):
         embed = masters[0]
+    tls_ca, tls_cert, tls_key = _tls(o, standalone, embed)
     settings = AgentSettings(
         argv=argv,
         nproc=nproc,
@@ -367,6 +422,9 @@ def _settings(o: dict, given: frozenset[str] = frozenset()) -> tuple[AgentSettin
         node_id=o["node_id"] or f"{socket.gethostname()}-{os.getpid()}",
         masters=masters,
         host_master_at=None,
+        tls_ca=tls_ca,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
         local_addr=host,
         role=o["role"],
         log_dir=pathlib.Path(o["log_dir"]).resolve() if o["log_dir"] else None,
@@ -406,7 +464,9 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
         from agent.loop import ElasticAgent
 
         master, settings = connect_or_host_master(settings, embed_at)
-        client = MasterClient(list(settings.masters), settings.job.job_id, settings.token)
+        client = MasterClient(
+            list(settings.masters), settings.job.job_id, settings.token, tls_ca=settings.tls_ca
+        )
         group = WorkerGroup(reaper=reaper, launcher=launcher)
         # Checkpoint shared memory of this node; the test hook ELASTIC_PERSIST_DELAY_S slows its persists.
         keeper = keeper_for(

@@ -3,6 +3,11 @@
 One ``httpx.Client`` per thread (heartbeats, watch long-poll and the main loop run concurrently).
 Several master addresses may be given; the client sticks to the one that answered last and moves
 on to the next when it is unreachable or answers that it is not the leader.
+
+With a CA file (``tls_ca``) every address is spoken to over https and the master's certificate is verified
+against that CA, host name included (``elastic.tls``). A TLS failure that retrying cannot fix (the
+certificate does not verify; the master speaks the other protocol) raises :class:`MasterTLSError` as soon
+as no other address answered, instead of counting as an unreachable master.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from agent.errors import MasterError, MasterRejectedError, MasterUnreachableError
-from agent.net import parse_addresses
+from agent.errors import MasterError, MasterRejectedError, MasterTLSError, MasterUnreachableError
+from agent.net import parse_addresses, split_address
 from elastic.protocol import (
     API_PREFIX,
     JOB_HEADER,
@@ -28,12 +33,14 @@ from elastic.protocol import (
     LeaveRequest,
     RoundReply,
 )
+from elastic.tls import client_context, describe_tls_failure, speaks_tls
 
 __all__ = [
     "Backoff",
     "MasterClient",
     "MasterError",
     "MasterRejectedError",
+    "MasterTLSError",
     "MasterUnreachableError",
     "parse_addresses",
 ]
@@ -65,9 +72,20 @@ class MasterClient:
     """Typed calls of the master's ``/v1`` API."""
 
     def __init__(
-        self, addresses: list[str], job_id: str, token: str, *, request_timeout: float = 10.0
+        self,
+        addresses: list[str],
+        job_id: str,
+        token: str,
+        *,
+        request_timeout: float = 10.0,
+        tls_ca: str | None = None,
     ) -> None:
+        """``tls_ca``: CA file to verify the masters' certificates with; given, every address is https.
+        Raises :class:`elastic.tls.TLSConfigError` when it cannot be used."""
         self.addresses = list(addresses)
+        # One context for every thread's client: loading the CA file once, and SSLContext is thread-safe.
+        self._tls = client_context(tls_ca) if tls_ca else None
+        self._scheme = "https" if self._tls else "http"
         self.job_id = job_id
         self._headers = {"Authorization": f"Bearer {token}", JOB_HEADER: job_id}
         self._timeout = request_timeout
@@ -77,7 +95,7 @@ class MasterClient:
     def _http(self) -> httpx.Client:
         client = getattr(self._local, "client", None)
         if client is None:
-            client = httpx.Client(headers=self._headers, trust_env=False)
+            client = httpx.Client(headers=self._headers, trust_env=False, verify=self._tls or True)
             self._local.client = client
         return client
 
@@ -103,10 +121,11 @@ class MasterClient:
         # before the next address is tried.
         timeout = self._timeout if timeout is None else timeout
         last: Exception | None = None
+        tls_failure: str | None = None
         count = len(self.addresses)
         for i in range(count):
             index = (self._preferred + i) % count
-            url = f"http://{self.addresses[index]}{API_PREFIX}{path}"
+            url = f"{self._scheme}://{self.addresses[index]}{API_PREFIX}{path}"
             try:
                 response = self._http().request(
                     method,
@@ -118,6 +137,7 @@ class MasterClient:
                 )
             except httpx.TransportError as exc:
                 last = exc
+                tls_failure = tls_failure or self._tls_failure(exc, self.addresses[index], timeout)
                 continue
             if response.status_code == 503:  # a standby master: try the next address
                 last = MasterRejectedError(503, "not_leader", response.text)
@@ -129,9 +149,28 @@ class MasterClient:
                 return reply.model_validate_json(response.content)
             except ValidationError as exc:
                 raise MasterError(f"unexpected reply from master at {self.addresses[index]}: {exc}") from None
+        if tls_failure is not None:
+            raise MasterTLSError(tls_failure)
         raise MasterUnreachableError(
             f"no job master answered at {', '.join(self.addresses)} ({type(last).__name__}: {last})"
         )
+
+    def _tls_failure(self, exc: httpx.TransportError, address: str, timeout: float) -> str | None:
+        """A one-line error when ``exc`` is a TLS mismatch that retrying cannot fix, else None."""
+        if self._tls is not None:
+            return describe_tls_failure(exc, address)
+        # Plain http to a TLS master: the master drops the connection without an answer. Only then, probe
+        # for a TLS handshake, so that the agent says what is wrong instead of retrying until
+        # --master-timeout as if the master were down. A dropped connection means a live host, so the
+        # probe is quick; its bound keeps a heartbeat's turn to the next address short all the same.
+        if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+            host, port = split_address(address)
+            if speaks_tls(host, port, min(timeout, 1.0)):
+                return (
+                    f"the master at {address} speaks TLS (https): pass --tls-ca CA_FILE (or set "
+                    "ELASTIC_TLS_CA), the CA that signed the master's certificate"
+                )
+        return None
 
     def info(self) -> JobInfo:
         return self._call("GET", "/info", JobInfo)

@@ -26,6 +26,11 @@ class MasterUnreachableError(MasterError):
     """No master answered at any of the addresses."""
 
 
+class MasterTLSError(MasterError):
+    """TLS with the master failed in a way retrying cannot fix: its certificate does not verify against
+    --tls-ca, or one side speaks https and the other plain http. Final: a configuration error."""
+
+
 class MasterRejectedError(MasterError):
     """The master answered with an error status."""
 

@@ -66,6 +66,10 @@ def parse_addresses(text: str) -> list[str]:
         part = part.strip()
         if not part:
             continue
+        if "://" in part:  # one rule for the scheme: --tls-ca means https for every address
+            raise ValueError(
+                f"master address must be HOST:PORT without a scheme (--tls-ca makes it https), got {part!r}"
+            )
         host, sep, port = part.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"master address must be HOST:PORT, got {part!r}")

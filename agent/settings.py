@@ -32,6 +32,11 @@ class AgentSettings:
     masters: tuple[str, ...] = ()
     #: Host an embedded master at this address if none answers there (torchrun's c10d convenience).
     host_master_at: str | None = None
+    #: CA file the master's certificate is verified with; given, the master is spoken to over https.
+    tls_ca: str | None = None
+    #: Certificate and key of the master this agent hosts in convenience mode (https); None: plain http.
+    tls_cert: str | None = None
+    tls_key: str | None = None
     local_addr: str | None = None
     role: str = "default"
     log_dir: pathlib.Path | None = None

@@ -38,6 +38,7 @@ from elastic.protocol import (
     RoundReply,
 )
 from elastic.text import printable
+from elastic.tls import server_context
 from master.job import Job, JobError
 from master.settings import ServerSettings
 from master.store import MemoryStore, StateStore, StoreError
@@ -456,7 +457,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn_server(app: FastAPI) -> uvicorn.Server:
+def _uvicorn_server(app: FastAPI, settings: ServerSettings) -> uvicorn.Server:
+    """A uvicorn server for ``app``; https when ``settings`` name a certificate and key.
+
+    Raises :class:`elastic.tls.TLSConfigError` when they cannot be used."""
     config = uvicorn.Config(
         app,
         log_level="warning",
@@ -465,12 +469,19 @@ def _uvicorn_server(app: FastAPI) -> uvicorn.Server:
         timeout_keep_alive=int(LONG_POLL_CAP_S) + 5,
         ws="none",
     )
+    if settings.tls_cert and settings.tls_key:
+        # Our own context (TLS 1.2+ whatever the uvicorn version, a one-line error for a bad file) instead
+        # of uvicorn's ssl_* options: load the config now and swap the context in; uvicorn does not load a
+        # loaded config again, and serves with ``config.ssl``.
+        context = server_context(settings.tls_cert, settings.tls_key)
+        config.load()
+        config.ssl = context
     return uvicorn.Server(config)
 
 
 def serve_forever(settings: ServerSettings, sock: socket.socket, store: StateStore | None = None) -> None:
     """Run the master in this (main) thread until SIGINT/SIGTERM."""
-    server = _uvicorn_server(create_app(MasterService(settings, store=store)))
+    server = _uvicorn_server(create_app(MasterService(settings, store=store)), settings)
     server.run(sockets=[sock])
 
 
@@ -484,7 +495,11 @@ class EmbeddedMaster:
         self._sock = sock or bind_socket(settings.host, settings.port)
         self.host, self.port = self._sock.getsockname()[:2]
         self.service = MasterService(settings, store=store)
-        self._server = _uvicorn_server(create_app(self.service))
+        try:
+            self._server = _uvicorn_server(create_app(self.service), settings)
+        except Exception:
+            self._sock.close()
+            raise
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, name="elastic-master", daemon=True
         )

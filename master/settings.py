@@ -104,4 +104,7 @@ class ServerSettings:
     port: int = 0
     #: Durable state store URL (``memory://`` or ``etcd://HOST:PORT``).
     store_url: str = "memory://"
+    #: PEM certificate (chain) and unencrypted key to serve https with; None: plain http.
+    tls_cert: str | None = None
+    tls_key: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
