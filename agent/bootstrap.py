@@ -6,10 +6,11 @@ import dataclasses
 import logging
 import time
 
-from agent.client import MasterClient
-from agent.errors import EXIT_CONFIG, AgentError, MasterError, MasterTLSError, MasterUnreachableError
-from agent.net import split_address
+from agent.errors import EXIT_CONFIG, AgentError
 from agent.settings import AgentSettings
+from elastic.addresses import split_address
+from elastic.client import MasterClient
+from elastic.master_errors import MasterError, MasterTLSError, MasterUnreachableError
 
 log = logging.getLogger("elastic.agent")
 

@@ -19,19 +19,21 @@ import click
 from click.core import ParameterSource
 
 from agent.cli_torchrun import resolve_torchrun, torchrun_options
-from agent.errors import EXIT_CONFIG, AgentError, MasterError
-from agent.net import is_local_host, is_loopback_host, local_address_for, parse_addresses, split_address
+from agent.errors import EXIT_CONFIG, AgentError
+from agent.net import is_local_host, is_loopback_host, local_address_for
 from agent.settings import (
     DEFAULT_HANG_TIMEOUT_S,
     DEFAULT_MASTER_TIMEOUT_S,
     DEFAULT_STOP_GRACE_S,
     AgentSettings,
 )
+from elastic import job_settings as ms
+from elastic.addresses import parse_addresses, split_address
 from elastic.auth import TOKEN_ENV, TokenError, derived_token, loose_permissions_warning, read_token_file
+from elastic.cli_options import job_policy_options
+from elastic.master_errors import MasterError
 from elastic.protocol import valid_host
 from elastic.text import printable
-from master import settings as ms
-from master.cli_options import job_policy_options
 
 log = logging.getLogger("elastic.agent")
 
@@ -460,8 +462,8 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
         # The HTTP client and pydantic (~0.15 s of imports) only now, while the zygote imports torch.
         from agent.bootstrap import connect_or_host_master
         from agent.channel import ProgressChannel
-        from agent.client import MasterClient
         from agent.loop import ElasticAgent
+        from elastic.client import MasterClient
 
         master, settings = connect_or_host_master(settings, embed_at)
         client = MasterClient(

@@ -16,24 +16,3 @@ class AgentError(Exception):
     def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
         super().__init__(message)
         self.exit_code = exit_code
-
-
-class MasterError(Exception):
-    """Base of the errors talking to the master."""
-
-
-class MasterUnreachableError(MasterError):
-    """No master answered at any of the addresses."""
-
-
-class MasterTLSError(MasterError):
-    """TLS with the master failed in a way retrying cannot fix: its certificate does not verify against
-    --tls-ca, or one side speaks https and the other plain http. Final: a configuration error."""
-
-
-class MasterRejectedError(MasterError):
-    """The master answered with an error status."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message

@@ -26,13 +26,22 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from agent.envcontract import worker_envs
+from agent.errors import AgentError
 from agent.hang import Hang, HangWatch
+from agent.loop_state import NodeUnknownError, NodeView, QueuedEvent
 from agent.stackdump import dump_stacks, stack_file_path
 from agent.workers import FailureInfo, WorkerExit, WorkerGroupError, WorkerSpec
 from elastic.node_check import RESULT_ENV, TIMEOUT_ENV
-from elastic.protocol import Assignment, Command, CommandReply, JobInfo, NodeCheckResult, NodeState
+from elastic.protocol import (
+    Assignment,
+    Command,
+    CommandReply,
+    JobInfo,
+    NodeCheckResult,
+    NodeState,
+    describe_figures,
+)
 from elastic.report import STACK_FILE_ENV
-from master.node_check import describe_figures
 
 log = logging.getLogger("elastic.agent")
 
@@ -42,13 +51,6 @@ CHECK_PG_TIMEOUT_S = 60.0
 CHECK_TIMEOUT_S = CHECK_PG_TIMEOUT_S + 60.0
 #: Lines of each stack dump copied into the agent's log (the file has all of it).
 STACK_LOG_LINES = 60
-
-
-def _loop():
-    """The host module, agent.loop (which imports this one; so it is looked up when needed)."""
-    from agent import loop
-
-    return loop
 
 
 class HealthMixin:
@@ -93,7 +95,7 @@ class HealthMixin:
         hangs = self._hang_watch.check(time.monotonic(), self.channel.snapshot(), live)
         if hangs and generation == self.generation:
             self._hang_reported = generation
-            self.events.put(_loop()._Event("hang", generation, hangs))
+            self.events.put(QueuedEvent("hang", generation, hangs))
 
     def _on_hang(self, assignment: Assignment, hangs: list[Hang]) -> int | None:
         """Main thread: record the hung workers' stacks, then report the failure (kind ``hang``)."""
@@ -179,18 +181,18 @@ class HealthMixin:
                     attempt=attempt,
                     cwd=s.cwd,
                 ),
-                on_exit=lambda exit_: self.events.put(_loop()._Event("exit", generation, exit_)),
+                on_exit=lambda exit_: self.events.put(QueuedEvent("exit", generation, exit_)),
             )
         except WorkerGroupError as exc:
             result = NodeCheckResult(ok=False, stage="setup", error=str(exc)[-2000:])
-        self.view = _loop()._NodeView(
+        self.view = NodeView(
             state=NodeState.RUNNING, round=assignment.round, pids=list(self.group.pids)
         )
         threading.Thread(
             target=self._watch, args=(generation, assignment.round), name="watch", daemon=True
         ).start()
         timer = threading.Timer(
-            CHECK_TIMEOUT_S, lambda: self.events.put(_loop()._Event("check_timeout", generation))
+            CHECK_TIMEOUT_S, lambda: self.events.put(QueuedEvent("check_timeout", generation))
         )
         timer.daemon = True
         timer.start()
@@ -212,12 +214,12 @@ class HealthMixin:
         self.group.stop(s.stop_grace_s)  # not _stop_workers(): the watch of this generation must go on
         outcome = "passed" if result.ok else f"failed at {result.stage}: {result.error}"
         log.info("node check %s; %s (the master judges all nodes)", outcome, describe_figures(result))
-        self.view = _loop()._NodeView(state=NodeState.RUNNING, round=assignment.round, node_check=result)
+        self.view = NodeView(state=NodeState.RUNNING, round=assignment.round, node_check=result)
         try:
             reply = self._call_master(
                 lambda: self.client.heartbeat(self._heartbeat_request()), "node-check report"
             )
-        except _loop()._NodeUnknownError:
+        except NodeUnknownError:
             self._on_node_unknown()
             return None
         if reply.command is not Command.CONTINUE:
@@ -231,7 +233,7 @@ class HealthMixin:
         if event.kind == "signal":
             return self._shut_down(event.payload)
         if event.kind == "master_lost":
-            raise _loop().AgentError(event.payload)
+            raise AgentError(event.payload)
         if event.kind == "node_unknown":
             self._on_node_unknown()
             return None

@@ -20,20 +20,22 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict
 
 from agent.channel import ProgressChannel
 from agent.ckpt_keeper import CheckpointKeeper
-from agent.client import Backoff, MasterClient, MasterError, MasterRejectedError, MasterUnreachableError
 from agent.envcontract import worker_envs
 from agent.errors import EXIT_CONFIG, EXIT_FAILED, AgentError
 from agent.events import event_log_for
 from agent.health import HealthMixin
+from agent.loop_state import NodeUnknownError as _NodeUnknownError
+from agent.loop_state import NodeView as _NodeView
+from agent.loop_state import QueuedEvent as _Event
 from agent.net import free_port
 from agent.settings import AgentSettings
 from agent.signals import SignalRouter
 from agent.workers import FailureInfo, WorkerExit, WorkerGroup, WorkerSpec
+from elastic.client import Backoff, MasterClient, MasterError, MasterRejectedError, MasterUnreachableError
 from elastic.protocol import (
     PERSIST_ERROR_MAX,
     Assignment,
@@ -43,7 +45,6 @@ from elastic.protocol import (
     JoinReply,
     JoinRequest,
     LeaveRequest,
-    NodeCheckResult,
     NodeState,
     Outcome,
     WorkerFailure,
@@ -53,30 +54,6 @@ from elastic.protocol import (
 log = logging.getLogger("elastic.agent")
 
 LONG_POLL_S = 20.0
-
-
-class _NodeUnknownError(Exception):
-    """The master answered 404 unknown_node to a call the loop needed (see ``_on_node_unknown``)."""
-
-
-@dataclass
-class _Event:
-    # assigned | finished | exit | command | signal | master_lost | node_unknown | hang | check_timeout
-    # | launcher_ready
-    kind: str
-    generation: int
-    payload: Any = None
-
-
-@dataclass
-class _NodeView:
-    """What the heartbeat thread reports; written by the main thread only."""
-
-    state: NodeState = NodeState.WAITING
-    round: int = 0
-    failure: WorkerFailure | None = None
-    pids: list[int] = field(default_factory=list)
-    node_check: NodeCheckResult | None = None  # this node's result in a node-check round (agent.health)
 
 
 class ElasticAgent(HealthMixin):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from agent.output import OutputPolicy
 from agent.torchrun_compat import SignalPlan
-from master.settings import JobSettings
+from elastic.job_settings import JobSettings
 
 #: Seconds between SIGTERM and SIGKILL when stopping workers.
 DEFAULT_STOP_GRACE_S = 5.0

@@ -8,10 +8,11 @@ import sys
 
 import click
 
+from elastic import job_settings as ms
 from elastic.auth import TOKEN_ENV, TokenError, create_token_file, loose_permissions_warning, read_token_file
+from elastic.cli_options import job_policy_options
 from elastic.tls import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TLSConfigError, client_context, server_context
-from master import settings as ms
-from master.cli_options import job_policy_options
+from master.settings import ServerSettings
 
 log = logging.getLogger("elastic.master")
 
@@ -126,9 +127,10 @@ def cli(ctx: click.Context, **opts) -> None:
     except (TokenError, OSError) as exc:
         raise click.UsageError(str(exc)) from None
     from master.server import bind_socket, serve_forever  # web stack only when serving
-    from master.store import StoreError, check_store, open_store
+    from master.store import StoreError
+    from master.store_factory import check_store, open_store
 
-    settings = ms.ServerSettings(
+    settings = ServerSettings(
         job=job,
         token=token,
         host=opts["host"],
@@ -169,8 +171,10 @@ def status(master: str, job_id: str, token_file: str | None, tls_ca: str | None,
     """Print the job's nodes: id, rank, state, heartbeat age, restarts, round, world size, step time and
     flags (straggler, node-check verdict), then the node-check figures when the job ran a check, and the
     nodes whose checkpoint persists fail, with the error."""
-    from agent.client import MasterClient, MasterError, parse_addresses
+    from elastic.addresses import parse_addresses
     from elastic.auth import derived_token
+    from elastic.client import MasterClient
+    from elastic.master_errors import MasterError
     from master.status_view import render_status
 
     try:

@@ -11,6 +11,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
+from elastic.job_settings import JobSettings
 from elastic.protocol import (
     Assignment,
     Command,
@@ -31,7 +32,6 @@ from elastic.protocol import (
 from master.liveness import Liveness
 from master.node_check import NodeCheck
 from master.rendezvous import Candidate, Phase, Rendezvous
-from master.settings import JobSettings
 from master.stragglers import StragglerTracker, node_pace
 
 EXIT_FAILED = 1

@@ -24,7 +24,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from elastic.protocol import NodeCheckResult
+from elastic.protocol import NodeCheckResult, describe_figures
 
 #: Stages where a failure is the node's own (the others are collectives that a broken peer also breaks).
 COLLECTIVE_STAGES = frozenset({"init", "pairing", "allreduce"})
@@ -76,17 +76,6 @@ def judge(results: Mapping[str, NodeCheckResult], factor: float) -> dict[str, Ve
         else:
             verdicts[node_id] = Verdict("ok")
     return verdicts
-
-
-def describe_figures(result: NodeCheckResult) -> str:
-    """``matmul 12.1 ms on cpu, allreduce 3.2 ms with node rank 1`` (the figures that exist)."""
-    parts = []
-    if result.matmul_s is not None:
-        parts.append(f"matmul {_ms(result.matmul_s)}" + (f" on {result.device}" if result.device else ""))
-    if result.allreduce_s is not None:
-        partner = f" with node rank {result.partner}" if result.partner is not None else ""
-        parts.append(f"allreduce {_ms(result.allreduce_s)}{partner}")
-    return ", ".join(parts) or "no figures"
 
 
 @dataclass

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from master.settings import JobSettings
+from elastic.job_settings import JobSettings
 
 
 class Phase(str, Enum):

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from elastic.protocol import JobStatus, NodeStatus
+from elastic.protocol import JobStatus, NodeStatus, describe_figures
 from elastic.text import printable
-from master.node_check import describe_figures
 
 COLUMNS = ("NODE", "RANK", "STATE", "HEARTBEAT AGE", "RESTARTS", "ROUND", "WORLD", "STEP TIME", "FLAGS")
 

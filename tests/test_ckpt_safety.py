@@ -25,9 +25,9 @@ from e2e import REPO, base_env, wait_until
 from agent.ckpt_fence import FENCE_FILE, Decision, decide
 from agent.ckpt_keeper import OWNER_FILE, CheckpointKeeper, KeeperError
 from elastic import ckpt_layout as layout
+from elastic.job_settings import JobSettings
 from elastic.protocol import HeartbeatRequest, JoinRequest, NodeState
 from master.job import Job
-from master.settings import JobSettings
 from master.status_view import render_status
 
 KEEPER_PROC = Path(__file__).with_name("keeper_proc.py")

@@ -26,7 +26,8 @@ import httpx
 import pytest
 from etcd_server import EtcdServer, free_port
 
-from agent.client import MasterClient
+from elastic.client import MasterClient
+from elastic.job_settings import JobSettings
 from elastic.protocol import (
     JOB_HEADER,
     Command,
@@ -37,8 +38,9 @@ from elastic.protocol import (
 )
 from master.etcd_store import EtcdStore
 from master.server import EmbeddedMaster
-from master.settings import JobSettings, ServerSettings
-from master.store import StoreError, check_store, open_store
+from master.settings import ServerSettings
+from master.store import StoreError
+from master.store_factory import check_store, open_store
 
 pytestmark = pytest.mark.etcd
 

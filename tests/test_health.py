@@ -16,6 +16,7 @@ import pytest
 
 from agent.channel import ProgressChannel, RankProgress
 from agent.hang import Hang, HangWatch, WorkerObservation, hung_workers
+from elastic.job_settings import JobSettings, SettingsError
 from elastic.protocol import (
     Command,
     HeartbeatRequest,
@@ -29,7 +30,6 @@ from elastic.protocol import (
 from master.job import Job, NodeExcludedError
 from master.node_check import judge
 from master.rendezvous import Phase
-from master.settings import JobSettings, SettingsError
 from master.status_view import render_status
 from master.stragglers import Pace, StragglerTracker, assess, node_pace
 

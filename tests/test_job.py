@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from elastic.job_settings import JobSettings
 from elastic.protocol import (
     Command,
     HeartbeatRequest,
@@ -16,7 +17,6 @@ from elastic.protocol import (
 )
 from master.job import Job, SettingsMismatchError, UnknownNodeError
 from master.rendezvous import Phase
-from master.settings import JobSettings
 
 pytestmark = pytest.mark.timeout(10)
 

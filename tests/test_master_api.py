@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from agent.client import MasterClient, MasterRejectedError
+from elastic.client import MasterClient, MasterRejectedError
+from elastic.job_settings import JobSettings
 from elastic.protocol import (
     JOB_HEADER,
     LONG_POLL_CAP_S,
@@ -33,7 +34,7 @@ from elastic.protocol import (
     WorkerFailure,
 )
 from master.server import EmbeddedMaster, MasterService
-from master.settings import JobSettings, ServerSettings
+from master.settings import ServerSettings
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from elastic.job_settings import JobSettings
 from master.rendezvous import Candidate, ClosedRound, Phase, Rendezvous
-from master.settings import JobSettings
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -28,10 +28,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from e2e import TRAIN_SCRIPT, Proc, base_env, elastic_master_argv, elastic_run_argv, free_port, wait_until
 
-from agent.client import MasterClient, MasterTLSError
+from elastic.client import MasterClient, MasterTLSError
+from elastic.job_settings import JobSettings
 from elastic.tls import server_context
 from master.server import EmbeddedMaster
-from master.settings import JobSettings, ServerSettings
+from master.settings import ServerSettings
 
 launch = e2e.launch  # the fixture: every process tree a test launches is killed at its teardown
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import click
 
-from master import settings as ms
+from elastic import job_settings as ms
 
 
 def job_policy_options(*, embedded: bool) -> Callable:

@@ -19,8 +19,8 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from agent.errors import MasterError, MasterRejectedError, MasterTLSError, MasterUnreachableError
-from agent.net import parse_addresses, split_address
+from elastic.addresses import parse_addresses, split_address
+from elastic.master_errors import MasterError, MasterRejectedError, MasterTLSError, MasterUnreachableError
 from elastic.protocol import (
     API_PREFIX,
     JOB_HEADER,
