@@ -6,11 +6,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -155,14 +158,44 @@ def elastic_master_argv(*args: str) -> list[str]:
 
 @pytest.fixture
 def launch(tmp_path):
-    """``launch(argv, name=..., env=...) -> Proc``; every launched process tree is killed at teardown."""
+    """``launch(argv, name=..., env=...) -> Proc``; every launched process tree is killed at teardown.
+
+    Processes run in a working folder of the test's own (``tmp_path/cwd``), so relative paths a script
+    writes by default (the example's ``./checkpoints``) never land in, or get read from, the repository.
+    """
     procs: list[Proc] = []
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
 
     def _launch(argv: list[str], name: str = "proc", env: dict[str, str] | None = None) -> Proc:
-        proc = Proc(argv, tmp_path / f"{name}-{len(procs)}.log", env=env)
+        proc = Proc(argv, tmp_path / f"{name}-{len(procs)}.log", env=env, cwd=cwd)
         procs.append(proc)
         return proc
 
     yield _launch
     for proc in procs:
         proc.kill()
+
+
+# -- flash checkpoint jobs ----------------------------------------------------------------------------------
+SHM = Path("/dev/shm")
+
+
+def unique_job(prefix: str) -> str:
+    """A job id of its own for each test: shared-memory folders are named after it."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def shm_folders(job: str) -> list[Path]:
+    """The agents' shared-memory checkpoint folders of ``job`` that exist now."""
+    return [p for p in SHM.iterdir() if p.name.startswith(f"elastic-{job}-")]
+
+
+@pytest.fixture
+def jobs() -> Iterator[list[str]]:
+    """Job ids of the test; their shared-memory folders are removed at teardown should the test fail."""
+    names: list[str] = []
+    yield names
+    for job in names:
+        for folder in shm_folders(job):
+            shutil.rmtree(folder, ignore_errors=True)

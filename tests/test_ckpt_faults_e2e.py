@@ -17,18 +17,15 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import e2e
 import httpx
 import pytest
-from e2e import base_env, elastic_master_argv, elastic_run_argv, wait_until
+from e2e import SHM, base_env, elastic_master_argv, elastic_run_argv, shm_folders, unique_job, wait_until
 from tools import require_tool
 
 from agent.ckpt_keeper import folder_name
@@ -36,32 +33,14 @@ from elastic import ckpt_layout as layout
 from elastic.protocol import API_PREFIX, JOB_HEADER
 
 launch = e2e.launch  # the fixture: starts processes, kills their trees at teardown
+jobs = e2e.jobs  # the fixture: removes the shared-memory folders of the test's jobs
 
-SHM = Path("/dev/shm")
 WORKER = Path(__file__).with_name("ckpt_loop_worker.py")
 RUN_TIMEOUT_S = 150  # other suites share the 2 cores; each torch worker takes seconds to start
 HEARTBEAT_S = 0.5
 #: Time for the test to notice things on a loaded 2-core machine (log polling, an HTTP round trip).
 SLACK_S = 1.0
 KEEPER_SUMMARY = r"checkpoint keeper: (\d+) persist requests, (\d+) persisted"
-
-
-def unique_job(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-def shm_folders(job: str) -> list[Path]:
-    return [p for p in SHM.iterdir() if p.name.startswith(f"elastic-{job}-")]
-
-
-@pytest.fixture
-def jobs() -> Iterator[list[str]]:
-    """Job ids of the test; their shared-memory folders are removed at teardown should the test fail."""
-    names: list[str] = []
-    yield names
-    for job in names:
-        for folder in shm_folders(job):
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def temp_files(folder: Path) -> list[Path]:
