@@ -4,15 +4,17 @@ This file is run as ``python -I -S -c <this source>`` by :class:`agent.reaper.Re
 standard library only and start fast. Protocol on stdin, one ASCII line per message:
 
 * ``+<pgid>`` — a worker process group to kill if the agent goes away;
-* ``-<pgid>`` — the agent stopped that group itself; forget it.
+* ``-<pgid>`` — the agent stopped that group itself; forget it;
+* ``=<path>`` — a temp folder of the agent (its progress socket, worker error files) to remove.
 
 On EOF (the agent exited, was SIGKILLed, or closed the pipe on purpose) every registered group gets SIGKILL,
 twice with a short pause between to catch processes forked while the first signal was delivered; then the
-reaper exits.
+registered folders are removed (a SIGKILLed agent cannot remove them itself) and the reaper exits.
 """
 
 import contextlib
 import os
+import shutil
 import signal
 import time
 
@@ -26,8 +28,11 @@ def _kill_groups(pgids: set[int]) -> None:
             os.killpg(pgid, signal.SIGKILL)
 
 
-def _apply(line: bytes, pgids: set[int]) -> None:
+def _apply(line: bytes, pgids: set[int], folders: set[str]) -> None:
     text = line.strip().decode("ascii", errors="replace")
+    if text.startswith("=/"):
+        folders.add(text[1:])
+        return
     if len(text) < 2 or not text[1:].isdigit():
         return
     pgid = int(text[1:])
@@ -46,6 +51,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     pgids: set[int] = set()
+    folders: set[str] = set()
     buffer = b""
     while True:
         try:
@@ -57,11 +63,13 @@ def main() -> None:
         buffer += chunk
         *lines, buffer = buffer.split(b"\n")
         for line in lines:
-            _apply(line, pgids)
+            _apply(line, pgids, folders)
     if pgids:
         _kill_groups(pgids)
         time.sleep(_SECOND_PASS_DELAY_S)
         _kill_groups(pgids)
+    for folder in sorted(folders):  # after the kills: no worker writes there any more
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ class ProgressChannel:
     def __init__(self, on_checkpoint: Callable[..., None] | None = None) -> None:
         self._on_checkpoint = on_checkpoint
         self._dir = tempfile.mkdtemp(prefix="elastic-agent-")
+        self.folder = self._dir  # removed by close(), or by the reaper if the agent is SIGKILLed
         self.path = os.path.join(self._dir, "progress.sock")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self.path)

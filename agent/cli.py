@@ -475,6 +475,7 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
             settings.job.job_id, settings.node_id, settings.ckpt_dir, settings.ckpt_keep, os.environ
         )
         channel = ProgressChannel(on_checkpoint=keeper.on_checkpoint)
+        reaper.remove_on_exit(channel.folder)
         keeper.start()
         agent = ElasticAgent(settings, client, group, channel, worker_env=keeper.worker_env(), keeper=keeper)
         return agent.run()

@@ -12,6 +12,7 @@ the microseconds between its fork and its registration relies on PDEATHSIG alone
 
 import contextlib
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -61,6 +62,13 @@ class Reaper:
     def register(self, pgid: int) -> None:
         """Ask the sentinel to SIGKILL process group ``pgid`` if the agent goes away."""
         self._send(f"+{pgid}\n")
+
+    def remove_on_exit(self, folder: str | os.PathLike[str]) -> None:
+        """Ask the sentinel to remove the agent's temp ``folder`` when the agent is gone (also after a
+        SIGKILL); an absolute ASCII path without newlines (tempfile's), else it is left to the agent."""
+        path = os.fspath(folder)
+        if os.path.isabs(path) and path.isascii() and "\n" not in path:
+            self._send(f"={path}\n")
 
     def unregister(self, pgid: int) -> None:
         """Forget ``pgid``: the agent has stopped that group itself."""

@@ -273,6 +273,8 @@ class WorkerGroup:
         self._owns_error_dir = error_dir is None
         if error_dir is None:
             error_dir = Path(tempfile.mkdtemp(prefix="elastic-run-errors-"))
+            if reaper is not None:
+                reaper.remove_on_exit(error_dir)
         self._error_dir = error_dir
         self._lock = threading.Lock()  # guards the fields below, held briefly
         # Serializes start/stop/close, so that a stop() from a signal-handling thread and one from the loop

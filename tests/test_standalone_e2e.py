@@ -344,6 +344,12 @@ def test_always_failing_script_exhausts_restarts_with_summary(launch, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sigkill_of_elastic_run_leaves_no_training_workers(launch, tmp_path):
+    agent_tmp = tmp_path / "t"  # short: the progress socket's path must stay under 108 bytes
+    agent_tmp.mkdir()
+
+    def agent_folders() -> list[str]:
+        return [p.name for p in agent_tmp.iterdir() if p.name.startswith(("elastic-agent-", "elastic-run-"))]
+
     proc = launch(
         elastic_run_argv(
             *TWO_WORKERS,
@@ -356,14 +362,18 @@ def test_sigkill_of_elastic_run_leaves_no_training_workers(launch, tmp_path):
             str(tmp_path / "ckpt"),
         ),
         name="run",
+        env=base_env(TMPDIR=str(agent_tmp)),
     )
     proc.wait_for(r"^\[rank0\]:step=2 ", RUN_TIMEOUT_S)
     assert "started 2 workers (attempt round1, warm)" in proc.output()  # forked from the zygote
     assert len(proc.worker_pids()) == 2  # also records every descendant (zygote and reaper included)
     assert proc.worker_pids("warm-start zygote"), "the zygote is not among the descendants"
+    assert agent_folders(), "the agent's temp folders (progress socket, error files) are in its TMPDIR"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(10)
     wait_no_survivors(proc, 5.0)
+    # The agent cannot remove them after a SIGKILL; its reaper does.
+    wait_until(lambda: not agent_folders(), 5.0, "the reaper to remove the agent's temp folders")
 
 
 @pytest.mark.slow
