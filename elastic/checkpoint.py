@@ -28,7 +28,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import pickle
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -284,28 +283,6 @@ def _disk_save(state: dict[str, Any], step: int, directory: Path, keep: int, ran
 
 
 # -- load -------------------------------------------------------------------------------------------
-def _load_file(path: Path, map_location: Any) -> tuple[dict[str, Any], int]:
-    try:
-        return restore.parse_checkpoint(path.read_bytes(), map_location)
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: {exc}") from None
-
-
-# What torch.load raises on a damaged file (the legacy unpickler alone can raise most of these).
-_LOAD_ERRORS = (
-    OSError,
-    EOFError,
-    RuntimeError,
-    ValueError,
-    IndexError,
-    KeyError,
-    TypeError,
-    AttributeError,
-    pickle.UnpicklingError,
-    CheckpointError,
-)
-
-
 def load_latest(
     ckpt_dir: str | os.PathLike[str] | None = None, *, map_location: Any = "cpu"
 ) -> tuple[dict[str, Any], int] | None:
@@ -336,13 +313,10 @@ def load_latest(
         candidates.append(marked)
     candidates += [path for _, path in layout.checkpoint_files(directory) if path != marked]
 
-    errors = []
-    for path in candidates:
-        try:
-            return _load_file(path, map_location)
-        except _LOAD_ERRORS as exc:
-            log.warning("skipping unreadable checkpoint %s: %s", path, exc)
-            errors.append(f"{path.name}: {exc}")
+    errors: list[str] = []
+    found = restore.read_valid(candidates, lambda data: restore.parse_checkpoint(data, map_location), errors)
+    if found is not None:
+        return found[1]
     if errors:
         raise CheckpointError(f"no loadable checkpoint in {directory}; tried " + "; ".join(errors))
     return None

@@ -61,27 +61,6 @@ def all_step_lists(local: Iterable[int], world: int) -> list[list[int]]:
     return [[int(s) for s in steps.tolist() if s != _PAD] for steps in gathered]
 
 
-def common_steps(local: Iterable[int], world: int) -> set[int]:
-    """The steps every rank holds: the intersection of each rank's ``local`` steps.
-
-    A collective when ``world`` > 1 (every rank must call it); otherwise ``local`` itself.
-    """
-    lists = all_step_lists(local, world)
-    common = set(lists[0])
-    for steps in lists[1:]:
-        common &= set(steps)
-    return common
-
-
-def all_true(flag: bool, world: int) -> bool:
-    """True when ``flag`` is true on every rank (a collective when ``world`` > 1)."""
-    if world <= 1:
-        return flag
-    value = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return bool(value.item())
-
-
 def broadcast_int(value: int | None, src: int = 0) -> int | None:
     """Rank ``src``'s ``value`` on every rank (``None`` travels too); a collective in a process group."""
     if world_size() <= 1:

@@ -261,12 +261,14 @@ def describe_figures(result: NodeCheckResult) -> str:
     """``matmul 12.1 ms on cpu, allreduce 3.2 ms with node rank 1`` (the figures that exist)."""
     parts = []
     if result.matmul_s is not None:
-        parts.append(f"matmul {_ms(result.matmul_s)}" + (f" on {result.device}" if result.device else ""))
+        where = f" on {result.device}" if result.device else ""
+        parts.append(f"matmul {format_ms(result.matmul_s)}{where}")
     if result.allreduce_s is not None:
         partner = f" with node rank {result.partner}" if result.partner is not None else ""
-        parts.append(f"allreduce {_ms(result.allreduce_s)}{partner}")
+        parts.append(f"allreduce {format_ms(result.allreduce_s)}{partner}")
     return ", ".join(parts) or "no figures"
 
 
-def _ms(seconds: float) -> str:
+def format_ms(seconds: float) -> str:
+    """``12.1 ms``: how node-check figures are shown in logs, events and the status table."""
     return f"{seconds * 1e3:.1f} ms"

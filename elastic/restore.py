@@ -135,6 +135,3 @@ def parse_checkpoint(data: bytes, map_location: Any) -> tuple[dict[str, Any], in
     """
     return flash_format.parse(data, map_location)
 
-
-#: The name of :func:`parse_checkpoint` before flash files had their own format.
-parse_torch_checkpoint = parse_checkpoint

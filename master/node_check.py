@@ -24,7 +24,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from elastic.protocol import NodeCheckResult, describe_figures
+from elastic.protocol import NodeCheckResult, describe_figures, format_ms
 
 #: Stages where a failure is the node's own (the others are collectives that a broken peer also breaks).
 COLLECTIVE_STAGES = frozenset({"init", "pairing", "allreduce"})
@@ -41,10 +41,6 @@ class Verdict:
 
     def describe(self) -> str:
         return self.kind if not self.reason else f"{self.kind}: {self.reason}"
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms"
 
 
 def judge(results: Mapping[str, NodeCheckResult], factor: float) -> dict[str, Verdict]:
@@ -67,7 +63,8 @@ def judge(results: Mapping[str, NodeCheckResult], factor: float) -> dict[str, Ve
         for figure, name in (("matmul_s", "matmul"), ("allreduce_s", "allreduce")):
             value, median = getattr(r, figure), medians.get(figure)
             if value is not None and median is not None and value > factor * median:
-                slow.append(f"{name} {_ms(value)} is {value / median:.1f}x the median {_ms(median)}")
+                ratio = value / median
+                slow.append(f"{name} {format_ms(value)} is {ratio:.1f}x the median {format_ms(median)}")
         if slow:
             verdicts[node_id] = Verdict("slow", "; ".join(slow) + f" (--node-check-factor {factor:g})")
         elif not r.ok:

@@ -38,7 +38,7 @@ from e2e import (
 )
 
 from agent.ckpt_keeper import folder_name
-from elastic import checkpoint
+from elastic import checkpoint, restore
 from elastic import ckpt_layout as layout
 from elastic.checkpoint import CheckpointError
 
@@ -120,7 +120,7 @@ def test_flash_save_writes_to_shared_memory_only_and_asks_the_agent_to_persist(
     assert [s for s, _ in layout.checkpoint_files(shm)] == [3, 2], "memory keeps the last two saves"
     assert not (tmp_path / "disk").exists(), "no disk I/O in the worker"
     assert not [p for p in shm.iterdir() if p.name.endswith(".tmp")]
-    state, step = checkpoint._load_file(shm / layout.step_file_name(3), "cpu")
+    state, step = restore.parse_checkpoint((shm / layout.step_file_name(3)).read_bytes(), "cpu")
     assert step == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
 
     checkpoint.save({"w": torch.zeros(1)}, 4, persist=False)

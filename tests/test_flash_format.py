@@ -216,7 +216,6 @@ def test_legacy_torch_save_files_still_load_from_disk_and_bytes(tmp_path: Path) 
     torch.save({"step": 5, "state": state}, buffer)
     loaded, step = restore.parse_checkpoint(buffer.getvalue(), "cpu")
     assert step == 5 and torch.equal(loaded["w"], state["w"]) and loaded["meta"] == {"epoch": 2}
-    assert restore.parse_torch_checkpoint is restore.parse_checkpoint  # the old name still works
 
     # A disk folder mixing an old torch.save checkpoint and a flash file the agent persisted byte for byte.
     folder = tmp_path / "ckpt"
