@@ -574,11 +574,17 @@ def test_resize_2_1_2_mid_epoch_consumes_every_sample_exactly_once(launch, jobs,
     completed = [s for p in (a, b, c) for s, _ in steps_in(p.output())]  # rank 0's lines, any node
     redone = sorted({s for s in completed if completed.count(s) > 1})
     assert redone == [], f"steps trained twice after a resize: {redone}"
-    assert sorted(completed) == list(range(1, steps + 1))
 
     # For each step, the round that executed it last is the one whose update the final weights contain.
     by_step = read_sample_logs(logs)
     assert sorted(by_step) == list(range(1, steps + 1))
+    # When rank 0 ran on B, its last step lines can die in B's pipe with the SIGKILL. Such a step must
+    # directly follow B's last printed line, and (the sample logs are files, written before each step)
+    # no later round may have trained it again.
+    missing = sorted(set(range(1, steps + 1)) - set(completed))
+    last_b = max((s for s, _ in steps_in(b.output())), default=0)
+    assert all(last_b < s <= last_b + 2 for s in missing), f"steps never reported: {missing}"
+    assert all(len(by_step[s]) == 1 for s in missing), f"steps trained again after a resize: {missing}"
     consumed = [i for step in sorted(by_step) for i in by_step[step][max(by_step[step])]]
     assert all(len(by_step[s][max(by_step[s])]) == batch for s in by_step)
     assert sorted(consumed) == list(range(samples)), "a sample was skipped or repeated"
