@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -166,8 +167,14 @@ def launch(tmp_path):
     procs: list[Proc] = []
     cwd = tmp_path / "cwd"
     cwd.mkdir(exist_ok=True)
+    # A TMPDIR of the test's own: what a killed agent leaves there (its progress socket folder, worker
+    # error files) goes with the test. Short, in /tmp, because unix socket paths are limited to 108 bytes.
+    temp = Path(tempfile.mkdtemp(prefix="et-"))
 
     def _launch(argv: list[str], name: str = "proc", env: dict[str, str] | None = None) -> Proc:
+        env = dict(env if env is not None else base_env())
+        if env.get("TMPDIR") == os.environ.get("TMPDIR"):  # unless the test chose one itself
+            env["TMPDIR"] = str(temp)
         proc = Proc(argv, tmp_path / f"{name}-{len(procs)}.log", env=env, cwd=cwd)
         procs.append(proc)
         return proc
@@ -175,6 +182,7 @@ def launch(tmp_path):
     yield _launch
     for proc in procs:
         proc.kill()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 # -- flash checkpoint jobs ----------------------------------------------------------------------------------

@@ -465,8 +465,9 @@ def test_three_worker_kills_end_with_the_weights_of_an_uninterrupted_run(launch,
     assert reference.wait(RUN_TIMEOUT_S) == 0, reference.output()[-4000:]
     resumed = [s for rank, _, restart, s in starts_in(proc.output()) if rank == 0 and restart > 0]
     assert len(resumed) == 3 and all(s > 0 for s in resumed), resumed
-    # Every step was completed; the ones lost to a kill were done again after the restore.
-    assert {step for step, _ in steps_in(proc.output())} == set(range(1, 41))
+    # Every step was completed; the ones lost to a kill were done again after the restore. A kill between
+    # a save and its step line leaves that step unprinted: the restart resumed from it.
+    assert {step for step, _ in steps_in(proc.output())} | set(resumed) == set(range(1, 41))
     assert (tmp_path / "killed.hash").read_text() == (tmp_path / "ref.hash").read_text()
     assert shm_folders(job) == [] and shm_folders(ref_job) == []
 
@@ -578,13 +579,11 @@ def test_resize_2_1_2_mid_epoch_consumes_every_sample_exactly_once(launch, jobs,
     # For each step, the round that executed it last is the one whose update the final weights contain.
     by_step = read_sample_logs(logs)
     assert sorted(by_step) == list(range(1, steps + 1))
-    # When rank 0 ran on B, its last step lines can die in B's pipe with the SIGKILL. Such a step must
-    # directly follow B's last printed line, and (the sample logs are files, written before each step)
-    # no later round may have trained it again.
-    missing = sorted(set(range(1, steps + 1)) - set(completed))
-    last_b = max((s for s, _ in steps_in(b.output())), default=0)
-    assert all(last_b < s <= last_b + 2 for s in missing), f"steps never reported: {missing}"
-    assert all(len(by_step[s]) == 1 for s in missing), f"steps trained again after a resize: {missing}"
+    # A worker stopped (SIGTERM at a resize) or killed between its save and its step line leaves a
+    # completed step unprinted; the next round's start lines name the step they resumed from.
+    resumed = {r for p in (a, b, c) for *_, r in starts_in(p.output()) if r > 0}
+    missing = sorted(set(range(1, steps + 1)) - set(completed) - resumed)
+    assert missing == [], f"steps neither reported nor resumed from: {missing}"
     consumed = [i for step in sorted(by_step) for i in by_step[step][max(by_step[step])]]
     assert all(len(by_step[s][max(by_step[s])]) == batch for s in by_step)
     assert sorted(consumed) == list(range(samples)), "a sample was skipped or repeated"
