@@ -10,6 +10,7 @@ from agent.errors import EXIT_CONFIG, AgentError
 from agent.settings import AgentSettings
 from elastic.addresses import split_address
 from elastic.client import MasterClient
+from elastic.listener_rules import MASTER_API, Auth, check_listener
 from elastic.master_errors import MasterError, MasterTLSError, MasterUnreachableError
 
 log = logging.getLogger("elastic.agent")
@@ -60,6 +61,10 @@ def connect_or_host_master(settings: AgentSettings, embed_at: str | None):
                         )
                         master = EmbeddedMaster(server, sock=sock).start()
                         log.info("no master answered at %s; this agent hosts it (convenience mode)", embed_at)
+                        # Off loopback the token is a secret (agent.cli refused a derived one there).
+                        tls = settings.tls_cert is not None
+                        for warning in check_listener(MASTER_API, host, auth=Auth.SECRET, tls=tls):
+                            log.warning("%s", warning)
                         return master, dataclasses.replace(settings, host_master_at=embed_at)
                 if time.monotonic() > deadline:
                     hint = (

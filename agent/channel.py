@@ -40,6 +40,8 @@ class RankProgress:
     compute_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     #: The worker said its training is over (elastic.report.report_done): no more steps to expect.
     done: bool = False
+    #: When its first step report arrived (the master's recovery phase ``first_step`` ends there).
+    first_step_at: float | None = None
 
     @property
     def step_time_s(self) -> float | None:
@@ -77,7 +79,13 @@ class ProgressChannel:
         with self._lock:
             return {
                 r: RankProgress(
-                    p.step, p.advanced_at, deque(p.step_times), p.ckpt_step, deque(p.compute_times), p.done
+                    p.step,
+                    p.advanced_at,
+                    deque(p.step_times),
+                    p.ckpt_step,
+                    deque(p.compute_times),
+                    p.done,
+                    p.first_step_at,
                 )
                 for r, p in self._ranks.items()
             }
@@ -129,6 +137,8 @@ class ProgressChannel:
                     if progress.step is not None:
                         progress.step_times.append((now - progress.advanced_at) / (step - progress.step))
                     progress.step, progress.advanced_at = step, now
+                    if progress.first_step_at is None:
+                        progress.first_step_at = now
                     if compute is not None and compute >= 0:
                         progress.compute_times.append(compute)
             elif kind == "ckpt" and (progress.ckpt_step is None or step > progress.ckpt_step):

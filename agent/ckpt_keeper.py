@@ -15,7 +15,9 @@ it. The keeper:
   script's checkpoint folder, by default ``ELASTIC_CKPT_DIR`` = the agent's ``--ckpt-dir``), else to
   ``ckpt_dir``: copy to a temp file, fsync, then commit it fenced by the worker's round
   (:mod:`agent.ckpt_fence`: rename, fsync the folder, move ``latest`` never backwards, prune only older
-  files); the newest ``keep`` are kept.
+  files); the newest ``keep`` are kept. A node's sharded save (``<folder>/sharded``, reported by local
+  rank 0 of every node) is replicated to peers (:mod:`agent.replication`) and its part persisted to
+  ``<target>/sharded`` (:mod:`agent.sharded_persist`: the node completing a step commits it).
 * **sweeps** temp files of dead writers from the folder (a worker killed mid-save leaves a
   checkpoint-sized one): the agent calls :meth:`CheckpointKeeper.sweep` whenever it has stopped its
   workers; the bytes reclaimed are logged.
@@ -28,7 +30,8 @@ it. The keeper:
   error, and goes on (the thread is abandoned; nothing it finishes later is published).
 
 Persist policy when a persist is still running at the next save: the worker is never blocked (its report
-is queued by the kernel). Reports wait in a single slot that each newer report replaces; when the running
+is queued by the kernel). Reports wait in a slot per kind (replicated file, sharded save) that each newer
+report of the kind replaces; when the running
 persist finishes, the newest pending checkpoint is persisted and the ones in between are skipped. The
 disk copy thus lags memory by about one persist duration; a slow disk costs disk freshness, never
 training time. A pending file that its worker pruned meanwhile (memory keeps two) is skipped too: a
@@ -58,8 +61,9 @@ from typing import BinaryIO
 
 import psutil
 
-from agent import ckpt_fence, shm_lock
+from agent import ckpt_fence, sharded_persist, shm_lock
 from elastic import ckpt_layout as layout
+from elastic import shard_layout
 
 log = logging.getLogger("elastic.agent")
 
@@ -148,12 +152,18 @@ def _mib(nbytes: int) -> str:
 
 @dataclass(frozen=True)
 class _Request:
-    """A checkpoint to persist: its step, file in memory, target folder and the worker's round."""
+    """A checkpoint to persist: its step, file in memory (a sharded save: the node's data folder, and
+    ``save_id``), target folder and the worker's round."""
 
     step: int
     source: Path
     target: Path
     round: int | None
+    save_id: str = ""  # a sharded save's (agent.sharded_persist); "" for a replicated checkpoint file
+
+    @property
+    def kind(self) -> str:
+        return "sharded" if self.save_id else "file"
 
 
 class CheckpointKeeper:
@@ -194,9 +204,11 @@ class CheckpointKeeper:
         self.superseded = 0  # persists not published: a newer round committed to the folder
         self.failures = 0
         self.swept_bytes = 0  # temp files of dead writers removed from the memory folder
+        self.persist_seconds = (0, 0.0)  # (persists that ended without error, their total time): metrics
         self._cond = threading.Condition()
-        self._pending: _Request | None = None
-        self._last_request: _Request | None = None
+        # One slot per kind (replicated file, sharded save), each replaced by a newer report.
+        self._pending: dict[str, _Request] = {}
+        self._last_request: dict[str, _Request] = {}
         self._current: _Request | None = None  # the persist running now
         self._progress_at = time.monotonic()  # when the running persist last wrote (or began)
         self._busy = False
@@ -205,6 +217,9 @@ class CheckpointKeeper:
         self._thread: threading.Thread | None = None
         self._started = False
         self._lock_fd: int | None = None
+        #: Peer replication of sharded saves (agent.replication), attached by the agent when enabled.
+        self.replicator = None
+        self.replica_server = None
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> CheckpointKeeper:
@@ -261,6 +276,10 @@ class CheckpointKeeper:
                 _mib(self.swept_bytes),
             )
         self._stopping.set()
+        if self.replicator is not None:
+            self.replicator.stop()
+        if self.replica_server is not None:
+            self.replica_server.close()
         if self._started:
             shutil.rmtree(self.folder, ignore_errors=True)
             self._started = False
@@ -269,19 +288,29 @@ class CheckpointKeeper:
             self._lock_fd = None
 
     def _queue_newest(self) -> None:
-        """At stop: queue the newest memory checkpoint when it is newer than the last persist request (a
-        ``persist=False`` save, or a request lost with its worker), to where that request went."""
+        """At stop: queue the newest memory checkpoint (of each kind) when it is newer than the last persist
+        request (a ``persist=False`` save, or a request lost with its worker), to where that request went."""
         with self._cond:
-            last = self._last_request
-            newest = layout.checkpoint_files(self.folder)[:1] if last is not None else []
-            if last is None or not newest or newest[0][0] <= last.step:
-                return
-            step, path = newest[0]
-            log.info("persisting the newest checkpoint in memory (step %d) at stop", step)
-            if self._pending is not None:
-                self.skipped += 1
-            self._pending = self._last_request = _Request(step, path, last.target, last.round)
-            self._cond.notify_all()
+            for kind, last in list(self._last_request.items()):
+                if kind == "sharded":
+                    saves = shard_layout.committed(self.folder / shard_layout.SHARDED_SUBDIR)[:1]
+                    newest = [_Request(s, data, last.target, last.round, sid) for s, sid, data in saves]
+                else:
+                    files = layout.checkpoint_files(self.folder)[:1]
+                    newest = [_Request(s, path, last.target, last.round) for s, path in files]
+                if not newest or newest[0].step <= last.step:
+                    continue
+                log.info(
+                    "persisting the newest %s checkpoint in memory (step %d) at stop", kind, newest[0].step
+                )
+                self._queue(newest[0])
+
+    def _queue(self, request: _Request) -> None:
+        """Put ``request`` in its kind's slot (the caller holds ``_cond``)."""
+        if request.kind in self._pending:
+            self.skipped += 1
+        self._pending[request.kind] = self._last_request[request.kind] = request
+        self._cond.notify_all()
 
     def _join_bounded(self) -> None:
         """Wait for the persist thread; give the running persist up when it stalls or the cap passes."""
@@ -309,6 +338,8 @@ class CheckpointKeeper:
         if not self._started:
             return 0
         freed = layout.remove_temp_files(self.folder, writers_stopped=workers_stopped)
+        if workers_stopped:  # a sharded save's temp folder: its writers are all gone now
+            freed += shard_layout.remove_temp_dirs(self.folder / shard_layout.SHARDED_SUBDIR)
         if freed:
             with self._cond:
                 self.swept_bytes += freed
@@ -324,6 +355,11 @@ class CheckpointKeeper:
             if not error and current is not None and stalled >= self.stall_s:
                 error = f"step {current.step} to {current.target}: no progress for {stalled:.0f}s"
             return self.persisted_step, error
+
+    def queue_depth(self) -> int:
+        """Persists waiting or running now (0 to 3: one slot per kind, plus the running one)."""
+        with self._cond:
+            return len(self._pending) + int(self._busy)
 
     def _take_over(self) -> None:
         """Remove what a dead previous owner left in the folder (all but the lock we now hold)."""
@@ -402,6 +438,13 @@ class CheckpointKeeper:
         Called from the progress channel's thread; never blocks on I/O.
         """
         target = Path(persist_to) if persist_to else self.ckpt_dir
+        if location and Path(location).parent == self.folder / shard_layout.SHARDED_SUBDIR:
+            # A node's sharded save, committed by its local rank 0: replicated to the ring successors,
+            # and its part persisted to <target>/sharded (agent.sharded_persist).
+            if self.replicator is not None:
+                self.replicator.on_saved(step)
+            self._on_sharded(step, Path(location), target, round_number)
+            return
         if not location or target is None or not target.is_absolute():
             return
         path = Path(location)
@@ -417,10 +460,46 @@ class CheckpointKeeper:
             # The latest report is the newest save (one writer per node), even at a lower step: after a
             # rollback to an earlier step, that is the run that goes on.
             self.requests += 1
-            if self._pending is not None:
-                self.skipped += 1
-            self._pending = self._last_request = _Request(step, path, target, round_number)
-            self._cond.notify_all()
+            self._queue(_Request(step, path, target, round_number))
+
+    def _on_sharded(self, step: int, link: Path, target: Path | None, round_number: int | None) -> None:
+        if target is None or not target.is_absolute():
+            return
+        try:
+            match = shard_layout.DATA_DIR.match(os.readlink(link))
+        except OSError:
+            match = None
+        if match is None or int(match.group(1)) != step:
+            log.info("sharded checkpoint of step %d was replaced in memory before its persist; skipped", step)
+            return
+        request = _Request(
+            step,
+            link.parent / match.group(0),
+            target / shard_layout.SHARDED_SUBDIR,
+            round_number,
+            match.group(2),
+        )
+        with self._cond:
+            self.requests += 1
+            self._queue(request)
+
+    def replication_fields(self) -> dict[str, object]:
+        """What the heartbeats say about peer replication (empty when it is off)."""
+        if self.replicator is None or self.replica_server is None:
+            return {}
+        status = self.replicator.status()
+        return {
+            "replicas": self.replicator.replicas,
+            "replication_port": self.replica_server.port,
+            "replicated_step": status.replicated_step,
+            "replication_lag": status.lag,
+            "replication_error": status.error,
+        }
+
+    def set_replica_targets(self, targets: list[str]) -> None:
+        """The replication endpoints of this node's ring successors, from the master's reply."""
+        if self.replicator is not None:
+            self.replicator.set_targets(targets)
 
     def wait_persisted(self, step: int, timeout: float) -> bool:
         """Block until the checkpoint of ``step`` is the last one persisted; False on timeout."""
@@ -430,22 +509,26 @@ class CheckpointKeeper:
     def wait_idle(self, timeout: float) -> bool:
         """Block until nothing is pending or being persisted; False on timeout (for tests and tools)."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+            return self._cond.wait_for(lambda: not self._pending and not self._busy, timeout)
 
     # -- the persist thread -----------------------------------------------------------------------
     def _persist_loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None or self._stopping.is_set())
-                if self._pending is None or self._abandon.is_set():
+                self._cond.wait_for(lambda: bool(self._pending) or self._stopping.is_set())
+                if not self._pending or self._abandon.is_set():
                     return  # stopping, nothing left (or given up)
-                request, self._pending = self._pending, None
+                request = self._pending.pop(min(self._pending))  # "file" before "sharded": either order works
                 self._busy, self._current, self._progress_at = True, request, time.monotonic()
+            started = time.monotonic()
             try:
                 self._persist(request)
             except OSError as exc:  # disk full, EIO, the fence lock held too long...
                 if not self._abandon.is_set():  # a persist given up at stop was reported by the stop
                     self._fail(request, str(exc))
+            else:
+                count, total = self.persist_seconds
+                self.persist_seconds = (count + 1, total + time.monotonic() - started)
             finally:
                 with self._cond:
                     self._busy, self._current = False, None
@@ -459,6 +542,9 @@ class CheckpointKeeper:
         log.warning("could not persist the checkpoint of %s", text)
 
     def _persist(self, request: _Request) -> None:
+        if request.save_id:
+            self._persist_sharded(request)
+            return
         started = time.monotonic()
         try:
             # Open first: the worker may prune or recycle the file any time; an open file under the
@@ -498,6 +584,46 @@ class CheckpointKeeper:
             final,
             time.monotonic() - started,
             decision.why,
+        )
+
+    def _persist_sharded(self, request: _Request) -> None:
+        started = time.monotonic()
+        try:
+            outcome = sharded_persist.persist(
+                request.source,
+                request.target,
+                step=request.step,
+                save_id=request.save_id,
+                round_=request.round,
+                keep=self.keep,
+                copy=lambda src, dst: self._copy(src, dst, request.step),
+                lock_timeout_s=self.lock_timeout_s,
+                cancel=self._abandon,
+            )
+        except FileNotFoundError:
+            log.info(
+                "sharded checkpoint of step %d was replaced in memory before its persist; skipped",
+                request.step,
+            )
+            return
+        if not outcome.published:
+            if not self._abandon.is_set():
+                with self._cond:
+                    self.superseded += 1
+                log.info("not persisting the sharded checkpoint of step %d: %s", request.step, outcome.why)
+            return
+        with self._cond:
+            self.persisted += 1
+            self.persist_error = ""
+            if outcome.committed:
+                self.persisted_step = request.step
+            self._cond.notify_all()
+        log.debug(
+            "persisted this node's part of the sharded checkpoint of step %d to %s in %.2fs%s",
+            request.step,
+            request.target,
+            time.monotonic() - started,
+            " (the step is complete there)" if outcome.committed else "",
         )
 
     def _copy(self, src: BinaryIO, dst: BinaryIO, step: int) -> None:

@@ -20,7 +20,8 @@ from click.core import ParameterSource
 
 from agent.cli_torchrun import resolve_torchrun, torchrun_options
 from agent.errors import EXIT_CONFIG, AgentError
-from agent.net import is_local_host, is_loopback_host, local_address_for
+from agent.net import is_local_host, local_address_for
+from agent.progress import DEFAULT_PROGRESS_INTERVAL_S
 from agent.settings import (
     DEFAULT_HANG_TIMEOUT_S,
     DEFAULT_MASTER_TIMEOUT_S,
@@ -31,6 +32,7 @@ from elastic import job_settings as ms
 from elastic.addresses import parse_addresses, split_address
 from elastic.auth import TOKEN_ENV, TokenError, derived_token, loose_permissions_warning, read_token_file
 from elastic.cli_options import job_policy_options
+from elastic.listener_rules import AGENT_METRICS, MASTER_API, Auth, ListenerRuleError, check_listener
 from elastic.master_errors import MasterError
 from elastic.protocol import valid_host
 from elastic.text import printable
@@ -127,9 +129,14 @@ def _token(token_file: str | None, job_id: str, masters: tuple[str, ...]) -> str
         return os.environ[TOKEN_ENV]
     if not masters:
         return secrets.token_urlsafe(24)  # standalone: the embedded master listens on 127.0.0.1 only
-    if all(is_loopback_host(split_address(address)[0]) for address in masters):
-        return derived_token(job_id)  # torchrun-style command lines on one machine keep working
-    raise click.UsageError(_NO_TOKEN_HELP)
+    # Torchrun-style command lines on one machine keep working with a derived token; off loopback the
+    # listener rules refuse it (the master at that address, maybe hosted by an agent, would accept anyone).
+    for address in masters:
+        try:
+            check_listener(MASTER_API, split_address(address)[0], auth=Auth.DERIVED, tls=False)
+        except ListenerRuleError:
+            raise click.UsageError(_NO_TOKEN_HELP) from None
+    return derived_token(job_id)
 
 
 def _tls(o: dict, standalone: bool, embed: str | None) -> tuple[str | None, str | None, str | None]:
@@ -296,6 +303,27 @@ CONTEXT = {
     help="Checkpoints to keep in --ckpt-dir.",
 )
 @click.option(
+    "--replicas",
+    type=click.IntRange(min=0, max=64),
+    default=1,
+    show_default=True,
+    help="Peer nodes that hold a copy of this node's sharded memory checkpoints (ring order); 0: none.",
+)
+@click.option(
+    "--replication-lag",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Steps the peers' replicas may lag the newest sharded save before the next save waits.",
+)
+@click.option(
+    "--replication-bandwidth",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Cap on the bandwidth of replication to each peer, in MB/s; 0: no cap.",
+)
+@click.option(
     "--ckpt-reset",
     is_flag=True,
     help="Start this node's first workers without its existing checkpoints (ELASTIC_CKPT_RESET=1 for "
@@ -315,7 +343,8 @@ CONTEXT = {
     type=click.FloatRange(min=0, min_open=True),
     default=DEFAULT_MASTER_TIMEOUT_S,
     show_default=True,
-    help="Give up after the master is unreachable this long (workers keep training meanwhile).",
+    help="Give up after the master is unreachable this long (workers keep training meanwhile), or keeps "
+    "refusing this agent's join because a live agent uses its --node-id.",
 )
 @click.option(
     "--hang-timeout",
@@ -331,6 +360,22 @@ CONTEXT = {
     is_flag=True,
     help="Always start workers with a fresh interpreter (exec), never from the pre-started one that has "
     "torch imported.",
+)
+@click.option(
+    "--progress-interval",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_PROGRESS_INTERVAL_S,
+    show_default=True,
+    help="Seconds between two progress lines of this agent (round, step, steps/s, world, restarts, last "
+    "checkpoint). 0: none.",
+)
+@click.option("--quiet", is_flag=True, help="No progress lines (the same as --progress-interval 0).")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve this agent's Prometheus metrics (GET /metrics, the job token as bearer token) on this port "
+    "of --local-addr; 0: a free port (logged).",
 )
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
@@ -432,11 +477,16 @@ def _settings(o: dict, given: frozenset[str] = frozenset()) -> tuple[AgentSettin
         log_dir=pathlib.Path(o["log_dir"]).resolve() if o["log_dir"] else None,
         ckpt_dir=pathlib.Path(o["ckpt_dir"]).resolve() if o["ckpt_dir"] else None,
         ckpt_keep=o["ckpt_keep"],
+        replicas=o["replicas"],
+        replication_lag=o["replication_lag"],
+        replication_bandwidth=o["replication_bandwidth"],
         ckpt_reset=o["ckpt_reset"],
         stop_grace_s=compat.stop_grace_s,
         master_timeout_s=o["master_timeout"],
         warm_start=not o["no_warm_start"],
         hang_timeout_s=o["hang_timeout"],
+        progress_interval_s=0.0 if o["quiet"] else o["progress_interval"],
+        metrics_port=o["metrics_port"],
         output=compat.output,
         per_rank_env=compat.per_rank_env,
         signals=compat.signals,
@@ -444,11 +494,27 @@ def _settings(o: dict, given: frozenset[str] = frozenset()) -> tuple[AgentSettin
     )
     for warning in compat.warnings:
         log.warning("%s", warning)
+    if settings.metrics_port is not None:
+        _check_metrics_listener(settings)
     return settings, embed
+
+
+def _check_metrics_listener(settings: AgentSettings) -> None:
+    """The listener rules for ``--metrics-port`` (before anything starts): a usage error, or warnings."""
+    auth = Auth.DERIVED if settings.token == derived_token(settings.job.job_id) else Auth.SECRET
+    try:
+        warnings = check_listener(
+            AGENT_METRICS, settings.local_addr or "127.0.0.1", auth=auth, tls=bool(settings.tls_cert)
+        )
+    except ListenerRuleError as exc:
+        raise click.UsageError(f"--metrics-port: {exc}") from None
+    for warning in warnings:
+        log.warning("%s", warning)
 
 
 def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
     """Start (or find) the master, then run the agent loop; returns the exit code."""
+    from agent import replication
     from agent.ckpt_keeper import KeeperError, keeper_for  # light imports (stdlib, psutil), as the next two
     from agent.warm import WarmLauncher
     from agent.workers import Reaper, WorkerGroup
@@ -457,7 +523,7 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
     # The zygote starts first: importing torch is the longest step of a new node's first worker start,
     # and it runs while this agent imports the rest, finds the master and waits for its round.
     launcher = WarmLauncher(reaper, argv_hint=settings.argv) if settings.warm_start else None
-    master = client = group = channel = keeper = agent = None
+    master = client = group = channel = keeper = agent = metrics = None
     try:
         # The HTTP client and pydantic (~0.15 s of imports) only now, while the zygote imports torch.
         from agent.bootstrap import connect_or_host_master
@@ -477,11 +543,15 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
         channel = ProgressChannel(on_checkpoint=keeper.on_checkpoint)
         reaper.remove_on_exit(channel.folder)
         keeper.start()
+        replication.attach(keeper, settings)  # peer replication of sharded memory checkpoints
         agent = ElasticAgent(settings, client, group, channel, worker_env=keeper.worker_env(), keeper=keeper)
+        metrics = _serve_metrics(agent, settings)
         return agent.run()
     except KeeperError as exc:
         raise AgentError(f"cannot set up the checkpoint shared memory: {exc}") from None
     finally:
+        if metrics is not None:
+            metrics.stop()
         if group is not None:
             group.close()
         if launcher is not None:
@@ -497,6 +567,30 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
             master.stop()
         if agent is not None and agent.failure_summary:
             print(f"elastic-run: job failed: {printable(agent.failure_summary)}", file=sys.stderr, flush=True)
+
+
+def _serve_metrics(agent, settings: AgentSettings):  # noqa: ANN001, ANN202 - agent.loop / agent.metrics
+    """Start the ``--metrics-port`` listener (agent.metrics), or None without the option."""
+    if settings.metrics_port is None:
+        return None
+    from agent.metrics import serve  # prometheus_client only when asked for
+    from elastic.tls import TLSConfigError, server_context
+
+    host = settings.local_addr or "127.0.0.1"
+    try:
+        tls = (
+            server_context(settings.tls_cert, settings.tls_key)
+            if settings.tls_cert and settings.tls_key
+            else None
+        )
+        return serve(agent, host, settings.metrics_port, tls)
+    except TLSConfigError as exc:
+        raise AgentError(f"--metrics-port: {exc}", EXIT_CONFIG) from None
+    except OSError as exc:
+        raise AgentError(
+            f"cannot listen on {host}:{settings.metrics_port} (--metrics-port): {exc.strerror or exc}",
+            EXIT_CONFIG,
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> None:

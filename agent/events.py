@@ -5,7 +5,9 @@
 torchrun's handler registry is not used: any other name behaves as ``null`` (the CLI warns once).
 
 Events: ``workers_started``, ``worker_failed``, ``workers_stopped``, ``restart`` (the master opened a new
-round), ``signal_forwarded``, ``node_left`` (the agent stops on a signal), ``job_finished``.
+round), ``signal_forwarded``, ``node_left`` (the agent stops on a signal), ``job_finished``,
+``master_tls_failure`` (a master's certificate stopped verifying while the job runs: agent.tls_trouble) and
+``master_tls_recovered``.
 """
 
 from __future__ import annotations

@@ -142,7 +142,10 @@ class HealthMixin:
             signal=None,
             message=message,
         )
-        return self._report_failure(assignment.round, info, kind="hang")
+        # Detection starts at the hung worker's last progress (the stall's beginning).
+        return self._report_failure(
+            assignment.round, info, kind="hang", seen_at=time.monotonic() - first.stalled_s
+        )
 
     # -- node check --------------------------------------------------------------------------------
     def _check_round(self, assignment: Assignment) -> int | None:
@@ -185,9 +188,7 @@ class HealthMixin:
             )
         except WorkerGroupError as exc:
             result = NodeCheckResult(ok=False, stage="setup", error=str(exc)[-2000:])
-        self.view = NodeView(
-            state=NodeState.RUNNING, round=assignment.round, pids=list(self.group.pids)
-        )
+        self.view = NodeView(state=NodeState.RUNNING, round=assignment.round, pids=list(self.group.pids))
         threading.Thread(
             target=self._watch, args=(generation, assignment.round), name="watch", daemon=True
         ).start()

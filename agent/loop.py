@@ -32,10 +32,20 @@ from agent.loop_state import NodeUnknownError as _NodeUnknownError
 from agent.loop_state import NodeView as _NodeView
 from agent.loop_state import QueuedEvent as _Event
 from agent.net import free_port
+from agent.progress import ProgressReporter, sample_agent
 from agent.settings import AgentSettings
 from agent.signals import SignalRouter
+from agent.tls_trouble import TLSTrouble
 from agent.workers import FailureInfo, WorkerExit, WorkerGroup, WorkerSpec
-from elastic.client import Backoff, MasterClient, MasterError, MasterRejectedError, MasterUnreachableError
+from elastic.client import (
+    Backoff,
+    MasterClient,
+    MasterError,
+    MasterRejectedError,
+    MasterTLSError,
+    MasterUnreachableError,
+)
+from elastic.master_errors import Disposition
 from elastic.protocol import (
     PERSIST_ERROR_MAX,
     Assignment,
@@ -88,6 +98,11 @@ class ElasticAgent(HealthMixin):
         self.host = settings.local_addr or "127.0.0.1"
         self._workers_started = False  # --ckpt-reset applies to the first start only
         self.event_log = event_log_for(settings.event_log_handler, settings.node_id)
+        #: A final refusal a background thread got from the master (e.g. 403: another agent has this node id).
+        self._final_refusal: AgentError | None = None
+        self.tls_trouble = TLSTrouble(self.event_log)  # a master's certificate that stopped verifying
+        self.assignment: Assignment | None = None  # the newest round this node trains in
+        self.progress = ProgressReporter(settings.progress_interval_s, lambda: sample_agent(self), log.info)
 
     # -- entry point ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -99,8 +114,10 @@ class ElasticAgent(HealthMixin):
                     log.warning("received %s before joining; exiting", signal.Signals(signum).name)
                     return 128 + signum
                 threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+                self.progress.start()  # the progress line every --progress-interval (agent.progress)
                 return self._rounds()
             finally:
+                self.progress.stop()
                 self._closing.set()
                 self.generation += 1
                 self.group.stop(self.settings.stop_grace_s)
@@ -199,8 +216,14 @@ class ElasticAgent(HealthMixin):
             assignment.restart_count,
             assignment.max_restarts,
         )
+        self.assignment = assignment
         self._start_workers(assignment, generation)
-        self.view = _NodeView(state=NodeState.RUNNING, round=assignment.round, pids=list(self.group.pids))
+        self.view = _NodeView(
+            state=NodeState.RUNNING,
+            round=assignment.round,
+            pids=list(self.group.pids),
+            started_at=time.monotonic(),
+        )
         threading.Thread(
             target=self._watch, args=(generation, assignment.round), name="watch", daemon=True
         ).start()
@@ -221,7 +244,8 @@ class ElasticAgent(HealthMixin):
                     if len(succeeded) == self.settings.nproc:
                         return self._report_success(assignment.round)
                     continue
-                return self._report_failure(assignment.round, self.group.failure_info(exit_))
+                info = self.group.failure_info(exit_)
+                return self._report_failure(assignment.round, info, seen_at=exit_.seen_at)
             if event.kind == "hang":
                 return self._on_hang(assignment, event.payload)
             if event.kind == "command":
@@ -234,7 +258,10 @@ class ElasticAgent(HealthMixin):
                 return None
 
     # -- outcomes ---------------------------------------------------------------------------------
-    def _report_failure(self, round_number: int, info: FailureInfo, kind: str = "crash") -> int | None:
+    def _report_failure(
+        self, round_number: int, info: FailureInfo, kind: str = "crash", seen_at: float | None = None
+    ) -> int | None:
+        """Report a local failure (``seen_at``: when the agent saw it, time.monotonic; default now)."""
         # The group's generic fallback ("killed by SIGKILL") only repeats the signal; keep real messages.
         generic = info.message.startswith(("killed by ", "exited with code "))
         failure = WorkerFailure(
@@ -250,7 +277,12 @@ class ElasticAgent(HealthMixin):
             how = "a hang"
         log.warning("rank %d (local rank %d) failed with %s", info.global_rank, info.local_rank, how)
         self.event_log.record("worker_failed", round=round_number, kind=kind, **asdict(info))
-        self.view = _NodeView(state=NodeState.FAILED, round=round_number, failure=failure)
+        self.view = _NodeView(
+            state=NodeState.FAILED,
+            round=round_number,
+            failure=failure,
+            failed_at=time.monotonic() if seen_at is None else seen_at,
+        )
         # Report before stopping the others, so that the other nodes start stopping in parallel.
         try:
             reply = self._call_master(
@@ -385,8 +417,12 @@ class ElasticAgent(HealthMixin):
         self.event_log.record("signal_forwarded", signal=name, pids=pids)
 
     def _next_event(self) -> _Event:
+        """The next event of the current generation (or a signal). A final refusal by the master, queued
+        by any thread (``rejected``), ends the agent here: its :class:`AgentError` is raised."""
         while True:
             event = self.events.get()
+            if event.kind == "rejected":
+                raise event.payload
             if event.kind == "signal" or event.generation == self.generation:
                 return event
 
@@ -396,10 +432,15 @@ class ElasticAgent(HealthMixin):
             try:
                 reply = self.client.next_round(self.settings.node_id, after, LONG_POLL_S)
             except MasterRejectedError as exc:
-                kind = "node_unknown" if exc.code == "unknown_node" else "master_lost"
-                self.events.put(_Event(kind, generation, f"master refused the rendezvous: {exc.message}"))
-                return
-            except MasterError:
+                if exc.disposition is not Disposition.RETRY:
+                    self._refused(exc, "rendezvous", generation)
+                    return
+                if self._master_lost(generation):
+                    return
+                time.sleep(retry.next())
+                continue
+            except MasterError as exc:
+                self.tls_trouble.failed(exc)
                 if self._master_lost(generation):
                     return
                 time.sleep(retry.next())
@@ -419,12 +460,13 @@ class ElasticAgent(HealthMixin):
             try:
                 reply = self.client.watch(self.settings.node_id, round_number, LONG_POLL_S)
             except MasterRejectedError as exc:
-                if exc.code == "unknown_node":
-                    self.events.put(_Event("node_unknown", generation, exc.message))
+                if exc.disposition is not Disposition.RETRY:
+                    self._refused(exc, "watch", generation)
                     return
                 time.sleep(self.heartbeat_interval)
                 continue
-            except MasterError:
+            except MasterError as exc:
+                self.tls_trouble.failed(exc)
                 if self._master_lost(generation):
                     return
                 time.sleep(retry.next())
@@ -451,16 +493,25 @@ class ElasticAgent(HealthMixin):
                 )
             )
         persisted_step, persist_error = self.keeper.persist_status() if self.keeper else (None, "")
+        now = time.monotonic()
+        failure = view.failure
+        if failure is not None and view.failed_at is not None:
+            failure = failure.model_copy(update={"age_s": max(0.0, now - view.failed_at)})
+        firsts = [p.first_step_at for p in progress.values()]
+        stepped = bool(firsts) and len(firsts) == len(view.pids) and None not in firsts
         return HeartbeatRequest(
             node_id=self.settings.node_id,
             round=view.round,
             state=view.state,
             workers=workers,
-            failure=view.failure,
+            failure=failure,
             ckpt_step=self.channel.checkpointed_step() if view.state is not NodeState.WAITING else None,
             node_check=view.node_check,
             persisted_step=persisted_step,
             persist_error=persist_error[-PERSIST_ERROR_MAX:],
+            workers_started_age_s=max(0.0, now - view.started_at) if view.started_at is not None else None,
+            first_step_age_s=max(0.0, now - max(firsts)) if stepped else None,
+            **(self.keeper.replication_fields() if self.keeper else {}),
         )
 
     def _heartbeat_loop(self) -> None:
@@ -473,56 +524,105 @@ class ElasticAgent(HealthMixin):
             wait = self.heartbeat_interval
             generation = self.generation
             self._check_hangs(generation)  # a hung worker queues a "hang" event (agent.health)
+            if not self.client.has_joined(self.settings.node_id):
+                continue  # no incarnation yet (the join is being retried): nothing to report for
             try:
                 reply = self.client.heartbeat(self._heartbeat_request(), timeout=self.heartbeat_call_timeout)
             except MasterRejectedError as exc:
-                if exc.code == "unknown_node" and self.view.state is not NodeState.WAITING:
+                if exc.disposition is Disposition.FINAL:
+                    self._refused(exc, "heartbeat", generation)
+                elif exc.disposition is Disposition.REJOIN and self.view.state is not NodeState.WAITING:
                     self.events.put(_Event("node_unknown", generation, exc.message))
                 continue
-            except MasterError:
+            except MasterError as exc:
+                self.tls_trouble.failed(exc)
                 self._master_lost(generation)
                 wait = retry.next()
                 continue
             self._contact()
+            if self.keeper is not None and reply.command is Command.CONTINUE:
+                self.keeper.set_replica_targets(reply.peers)  # peer replication (agent.replication)
             if reply.command is not Command.CONTINUE and self.view.state is NodeState.RUNNING:
                 self.events.put(_Event("command", generation, reply))
 
     def _contact(self) -> None:
         self._last_contact = time.monotonic()
+        self.tls_trouble.answered()
 
     def _master_lost(self, generation: int) -> bool:
         """True (and an event queued) when no master answered for longer than the allowed time."""
         silent = time.monotonic() - self._last_contact
         if silent < self.settings.master_timeout_s:
             return False
-        self.events.put(
-            _Event(
-                "master_lost",
-                generation,
-                f"no job master answered for {silent:.0f}s (--master-timeout "
-                f"{self.settings.master_timeout_s:g}s) at {', '.join(self.client.addresses)}",
-            )
-        )
+        message = self.tls_trouble.lost(silent, self.settings.master_timeout_s, self.client.addresses)
+        self.events.put(_Event("master_lost", generation, message))
         return True
+
+    def _refused(self, exc: MasterRejectedError, what: str, generation: int) -> None:
+        """A background thread's call was refused: queue ``node_unknown`` (rejoin) or, when final,
+        ``rejected`` (the agent stops: :meth:`_next_event`, or :meth:`_call_master` if it is retrying)."""
+        if exc.disposition is Disposition.REJOIN:
+            self.events.put(_Event("node_unknown", generation, exc.message))
+        else:
+            self._final_refusal = _rejection(exc, what)
+            self.events.put(_Event("rejected", generation, self._final_refusal))
 
     def _call_master(self, call, what: str):
         """A call the loop cannot go on without: retried (backoff with jitter) until the master-unreachable
-        timeout. A 404 unknown_node raises :class:`_NodeUnknownError`, another rejection
-        :class:`AgentError`."""
+        timeout, and so is a refusal that the error table says to retry (elastic.master_errors; e.g. 409
+        duplicate_node: another live agent uses this node id), for at most --master-timeout. A 404
+        unknown_node raises :class:`_NodeUnknownError`, a final refusal :class:`AgentError`."""
         retry = Backoff(0.1, 2.0)
+        refused_since: float | None = None
         while True:
+            if self._final_refusal is not None:  # e.g. a heartbeat learnt that another agent has this id
+                raise self._final_refusal
             try:
                 reply = call()
                 self._contact()
                 return reply
             except MasterRejectedError as exc:
-                if exc.code == "unknown_node":
+                if exc.disposition is Disposition.REJOIN:
                     raise _NodeUnknownError(exc.message) from None
-                raise AgentError(
-                    f"master rejected the {what}: {exc.message}",
-                    EXIT_CONFIG if exc.status in (401, 409, 422) else EXIT_FAILED,
-                ) from None
-            except MasterUnreachableError as exc:
-                if time.monotonic() - self._last_contact > self.settings.master_timeout_s:
-                    raise AgentError(str(exc)) from None
+                if exc.disposition is Disposition.FINAL:
+                    raise _rejection(exc, what) from None
+                now = time.monotonic()
+                if refused_since is None:
+                    refused_since = now
+                    log.warning(
+                        "master refused the %s (%s: %s); retrying for at most %gs (--master-timeout)",
+                        what,
+                        exc.code,
+                        exc.message,
+                        self.settings.master_timeout_s,
+                    )
+                if now - refused_since > self.settings.master_timeout_s:
+                    raise AgentError(
+                        f"master refused the {what} for {now - refused_since:.0f}s (--master-timeout "
+                        f"{self.settings.master_timeout_s:g}s): {exc.message}",
+                        _exit_code(exc),
+                    ) from None
                 time.sleep(retry.next())
+            except (MasterUnreachableError, MasterTLSError) as exc:
+                # TLS too: after the first contact, a certificate that stops verifying may be a failover
+                # under way (agent.tls_trouble); the workers train on while it is retried.
+                self.tls_trouble.failed(exc)
+                silent = time.monotonic() - self._last_contact
+                if silent > self.settings.master_timeout_s:
+                    if self.tls_trouble.reason is None:
+                        raise AgentError(str(exc)) from None
+                    lost = self.tls_trouble.lost(
+                        silent, self.settings.master_timeout_s, self.client.addresses
+                    )
+                    raise AgentError(lost) from None
+                time.sleep(retry.next())
+
+
+def _exit_code(exc: MasterRejectedError) -> int:
+    """A configuration problem (token, node id, --nnodes, job id) exits 2, anything else 1."""
+    return EXIT_CONFIG if exc.status in (401, 403, 409, 422) else EXIT_FAILED
+
+
+def _rejection(exc: MasterRejectedError, what: str) -> AgentError:
+    """The one line an agent stops with when the master refuses a call for good."""
+    return AgentError(f"master rejected the {what}: {exc.message}", _exit_code(exc))

@@ -17,7 +17,7 @@ class QueuedEvent:
     """One item of the agent loop's queue: what happened, for which worker generation, and its data."""
 
     # assigned | finished | exit | command | signal | master_lost | node_unknown | hang | check_timeout
-    # | launcher_ready
+    # | launcher_ready | rejected (a final refusal by the master: payload is the AgentError to stop with)
     kind: str
     generation: int
     payload: Any = None
@@ -32,6 +32,8 @@ class NodeView:
     failure: WorkerFailure | None = None
     pids: list[int] = field(default_factory=list)
     node_check: NodeCheckResult | None = None  # this node's result in a node-check round (agent.health)
+    started_at: float | None = None  # when this round's workers started (time.monotonic)
+    failed_at: float | None = None  # when the agent saw ``failure`` (time.monotonic)
 
 
 class NodeUnknownError(Exception):

@@ -23,12 +23,6 @@ def _resolve(host: str) -> set[str]:
         return set()
 
 
-def is_loopback_host(host: str) -> bool:
-    """True when every address ``host`` resolves to is a loopback address (unresolvable: False)."""
-    addresses = _resolve(host)
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
-
-
 def is_local_host(host: str) -> bool:
     """True when ``host`` names an address of this machine (so an agent here may host the master)."""
     addresses = _resolve(host)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from agent.output import OutputPolicy
+from agent.progress import DEFAULT_PROGRESS_INTERVAL_S
 from agent.torchrun_compat import SignalPlan
 from elastic.job_settings import JobSettings
 
@@ -45,6 +46,12 @@ class AgentSettings:
     ckpt_keep: int = 3
     #: The first worker start ignores this node's checkpoints (ELASTIC_CKPT_RESET=1); later ones restore.
     ckpt_reset: bool = False
+    #: Peer nodes each node streams its sharded memory checkpoints to (agent.replication); 0: off.
+    replicas: int = 1
+    #: Steps the replicas may lag the newest sharded save before a save waits.
+    replication_lag: int = 1
+    #: Cap of one push's bandwidth in MB/s; 0: none.
+    replication_bandwidth: float = 0.0
     stop_grace_s: float = DEFAULT_STOP_GRACE_S
     master_timeout_s: float = DEFAULT_MASTER_TIMEOUT_S
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
@@ -59,6 +66,10 @@ class AgentSettings:
     signals: SignalPlan = field(default_factory=SignalPlan)
     #: --event-log-handler: "console" prints lifecycle events, anything else drops them (agent.events).
     event_log_handler: str = "null"
+    #: Seconds between two progress lines (agent.progress); 0: none (--quiet).
+    progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
+    #: Port of this agent's metrics listener (agent.metrics), on ``local_addr``; 0: a free one; None: off.
+    metrics_port: int | None = None
 
     @property
     def standalone(self) -> bool:

@@ -119,6 +119,8 @@ class WorkerExit:
     global_rank: int
     pid: int
     returncode: int
+    #: When the watcher thread saw the exit (time.monotonic): a failure's detection starts there.
+    seen_at: float = field(default_factory=time.monotonic, compare=False)
 
     @property
     def succeeded(self) -> bool:
@@ -129,6 +131,13 @@ class WorkerExit:
     def signal_name(self) -> str | None:
         """Name of the signal that killed the worker (``"SIGKILL"``), or None if it exited by itself."""
         return signal_name(self.returncode)
+
+
+#: Signals a worker raises itself when it crashes (a segfault, abort(), a bus error, a bad instruction...):
+#: its last stderr lines (faulthandler's "Fatal Python error", C++'s "terminate called after ...") say why.
+#: Any other signal came from outside (the OOM killer, an operator, a scheduler), and what the worker
+#: printed before, such as a warning, is no root cause of it.
+CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL", "SIGSYS", "SIGTRAP"})
 
 
 @dataclass(frozen=True)
@@ -320,6 +329,11 @@ class WorkerGroup:
         with self._lock:
             return [w.local_rank for w in self._workers if w.returncode is None]
 
+    def exit_codes(self) -> list[int | None]:
+        """Exit codes of the last ``start()``'s workers by local rank (None: still running)."""
+        with self._lock:
+            return [w.returncode for w in self._workers]
+
     def start(self, spec: WorkerSpec, on_exit: Callable[[WorkerExit], None] | None = None) -> None:
         """Spawn one worker per local rank of ``spec``.
 
@@ -433,13 +447,17 @@ class WorkerGroup:
 
         The message is, in order of preference: the worker's error file (torch's ``@record``), the last
         exception line of its stderr (``RuntimeError: boom``), its last stderr line, or a generic line.
+        A worker killed by a signal from outside (SIGKILL, SIGTERM...: not one of :data:`CRASH_SIGNALS`)
+        gets the generic ``killed by SIGKILL``: whatever it printed before says nothing about the kill.
         """
         worker = self._find(exit)
         # The exit can overtake the last lines of output; give the stderr reader a moment to drain.
         if len(worker.readers) > 1:
             worker.readers[1].join(timeout=_FAILURE_DRAIN_TIMEOUT_S)
         sig = exit.signal_name
-        message = read_error_file(worker.error_file) or message_from_stderr(list(worker.stderr_tail))
+        message = read_error_file(worker.error_file)
+        if message is None and (sig is None or sig in CRASH_SIGNALS):
+            message = message_from_stderr(list(worker.stderr_tail))
         if message is None:
             message = f"killed by {sig}" if sig else f"exited with code {exit.returncode}"
         return FailureInfo(

@@ -49,7 +49,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from bench import common  # noqa: E402
+from bench import ckpt_replication, common  # noqa: E402
 from elastic import checkpoint, flash_format, flash_save  # noqa: E402
 from elastic import ckpt_layout as layout  # noqa: E402
 
@@ -265,10 +265,107 @@ def bench_replicated(megabytes: float, repeats: int, work: Path) -> tuple[list[R
     return rows, result
 
 
+SHARDED_RANKS = 2
+
+
+def bench_sharded(megabytes: float, repeats: int, work: Path) -> tuple[list[Row], dict]:
+    """``elastic.save_sharded`` flash saves, ``megabytes`` per rank, all ranks (one torch thread each)
+    saving at once into one node's shared memory (bench/ckpt_sharded.py), against their memcpy."""
+    shm = Path(tempfile.mkdtemp(prefix="elastic-bench-sharded-", dir="/dev/shm"))
+    out = work / "sharded.json"
+    port = str(common.free_port())
+    env = {k: v for k, v in os.environ.items() if k not in _FLASH_ENV}
+    script = str(REPO / "bench" / "ckpt_sharded.py")
+    try:
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    script,
+                    str(r),
+                    str(SHARDED_RANKS),
+                    port,
+                    str(shm),
+                    str(megabytes),
+                    str(repeats),
+                    str(out),
+                ],
+                env=env,
+            )
+            for r in range(SHARDED_RANKS)
+        ]
+        codes = [p.wait(timeout=900) for p in procs]
+        if any(codes):
+            raise RuntimeError(f"sharded bench ranks exited {codes}")
+        result = json.loads(out.read_text())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    size = result["bytes"]
+    rows = [
+        Row(megabytes, f"sharded first save ({SHARDED_RANKS} ranks)", [result["first_save_s"]], size),
+        Row(megabytes, "sharded flash save (blocking, per rank)", [result["save_block_s"]], size),
+        Row(megabytes, "memory copy (per rank, all at once)", [result["memcpy_s"]], size),
+    ]
+    restore = _sharded_restore(megabytes, repeats, work)
+    result["restore"] = {k: statistics.median(v) if isinstance(v, list) else v for k, v in restore.items()}
+    for key, name in (
+        ("own_memory_s", "sharded restore from own memory"),
+        ("peer_memory_s", "sharded restore, a node's shards from a peer's replica"),
+        ("disk_s", "sharded restore from disk (page cache evicted)"),
+    ):
+        rows.append(
+            Row(megabytes, f"{name} ({SHARDED_RANKS} nodes)", restore[key], restore["bytes"] * SHARDED_RANKS)
+        )
+    replication = ckpt_replication.bench_replication(megabytes * SHARDED_RANKS, repeats)
+    result["replication"] = replication
+    moved = replication["bytes"]
+    rows += [
+        Row(
+            megabytes * SHARDED_RANKS,
+            "replication push to a peer (loopback, sha256)",
+            [replication["push_s"]],
+            moved,
+        ),
+        Row(
+            megabytes * SHARDED_RANKS, "loopback TCP, the same bytes", [replication["loopback_tcp_s"]], moved
+        ),
+        Row(
+            megabytes * SHARDED_RANKS,
+            "lag-bound wait per save, saves back to back",
+            [replication["lag_wait_s"]],
+            moved,
+        ),
+    ]
+    return rows, result
+
+
+def _sharded_restore(megabytes: float, repeats: int, work: Path) -> dict:
+    """``elastic.load_sharded`` from own memory, a peer's replica and disk (bench/ckpt_sharded.py restore)."""
+    shm = Path(tempfile.mkdtemp(prefix="elastic-bench-restore-", dir="/dev/shm"))
+    out = work / "restore.json"
+    port = str(common.free_port())
+    env = {k: v for k, v in os.environ.items() if k not in _FLASH_ENV}
+    script = str(REPO / "bench" / "ckpt_sharded.py")
+    args = [port, str(shm), str(megabytes), str(repeats), str(out), str(work / "disk")]
+    try:
+        procs = [
+            subprocess.Popen([sys.executable, script, "restore", str(r), str(SHARDED_RANKS), *args], env=env)
+            for r in range(SHARDED_RANKS)
+        ]
+        codes = [p.wait(timeout=900) for p in procs]
+        if any(codes):
+            raise RuntimeError(f"sharded restore bench ranks exited {codes}")
+        return json.loads(out.read_text())
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 #: Kinds of checkpoint measured, by ``--kinds`` name: each returns its table rows and one JSON row with
-#: at least kind, bytes, save_block_s, memcpy_s and block_over_memcpy. A ``sharded`` kind (the sharded
-#: flash save of another change) adds its function here.
-KINDS: dict[str, Callable[[float, int, Path], tuple[list[Row], dict]]] = {"replicated": bench_replicated}
+#: at least kind, bytes, save_block_s, memcpy_s and block_over_memcpy.
+KINDS: dict[str, Callable[[float, int, Path], tuple[list[Row], dict]]] = {
+    "replicated": bench_replicated,
+    "sharded": bench_sharded,
+}
 
 
 def bench_size(
@@ -336,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
         "--disk-dir", type=Path, default=None, help="folder on the disk to measure (default: temp)"
     )
     parser.add_argument(
-        "--kinds", default="replicated", help=f"checkpoint kinds, comma-separated, of {sorted(KINDS)}"
+        "--kinds", default="replicated,sharded", help=f"checkpoint kinds, comma-separated, of {sorted(KINDS)}"
     )
     parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the results as JSON")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and one repeat: checks that it runs")

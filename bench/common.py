@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -23,7 +24,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
@@ -486,6 +487,27 @@ def emit_report(args: argparse.Namespace, title: str, body: str) -> None:
     print(f"\n## {title}\n\n{text}", flush=True)
     if args.markdown_out:
         Path(args.markdown_out).write_text(text)
+
+
+def add_json_option(p: argparse.ArgumentParser) -> None:
+    """``--json FILE``: the runs as JSON too, for bench/figures.py."""
+    p.add_argument(
+        "--json", default=None, metavar="FILE", help="also write every run as JSON (bench/figures.py)"
+    )
+
+
+def write_json(args: argparse.Namespace, benchmark: str, runs: Sequence[object]) -> None:
+    """With ``--json FILE``: ``{"benchmark": NAME, "runs": [one dict per run (its dataclass fields)]}``."""
+    if getattr(args, "json", None):
+        data = {"benchmark": benchmark, "command": command_line(), "runs": [asdict(r) for r in runs]}
+        Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def step_timeline(events: Iterable[dict], rank: int, since: float) -> list[list[float]]:
+    """``[[seconds since ``since``, step], ...]``: every step line of ``rank``, for the goodput timeline."""
+    return [
+        [round(e["t"] - since, 4), e["step"]] for e in events if e["kind"] == "step" and e["rank"] == rank
+    ]
 
 
 def log(message: str) -> None:

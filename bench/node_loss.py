@@ -11,6 +11,7 @@ survivor was doing (its last lines).
 
     python bench/node_loss.py                # 3 runs of each tool, alternated
     python bench/node_loss.py --smoke
+    python bench/node_loss.py --json node_loss.json   # also every run as JSON (bench/figures.py)
 """
 
 from __future__ import annotations
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds after the kill before giving up")
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds to reach world size 2")
     p.add_argument("--torchrun-rdzv-conf", default="", help="extra torchrun --rdzv-conf items (k=v,...)")
+    c.add_json_option(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.runs, args.steps_before, args.timeout = 1, 3, 30.0
@@ -208,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             c.cleanup(c.log)
     c.emit_report(args, "Node loss", report(tools, results, args))
+    c.write_json(args, "node_loss", results)
     return c.finish(0)
 
 

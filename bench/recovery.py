@@ -6,9 +6,14 @@ kill to the first step completed after the restart (rank 0's line), split into k
 before the crash minus the step the restart resumed from). A run that shows no step within --timeout
 seconds of the kill is recorded as "did not recover" and killed.
 
+elastic-run runs under an ``elastic-master --event-log`` daemon on 127.0.0.1 (``--nnodes 1``), and each run's
+recovery phases from the event log are compared with the benchmark's own timings (issue 19, check 2; the
+mapping: bench/phases.py). ``--no-event-log`` runs it ``--standalone`` instead, without the comparison.
+
     python bench/recovery.py                 # 5 runs of each tool, alternated
     python bench/recovery.py --runs 20       # issue 8's check
     python bench/recovery.py --smoke
+    python bench/recovery.py --json recovery.json   # also every run as JSON (bench/figures.py)
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as c  # noqa: E402
+from bench import phases as ph  # noqa: E402
 
 TARGET_RATIO = 0.3
 
@@ -35,6 +41,10 @@ class Outcome:
     to_step: float | None = None
     lost: int | None = None
     restarts: int | None = None  # TORCHELASTIC_RESTART_COUNT of the attempt that trained again
+    kill_at: float | None = None  # seconds from the launch to the kill
+    timeline: list | None = None  # [[seconds from the launch, step], ...] of rank 0 (bench/figures.py)
+    phases: dict | None = None  # the recovery's phases from the master's event log (elastic-run)
+    phase_check: list | None = None  # those against this run's own timings (bench.phases.compare)
 
 
 def launch_argv(tool: c.Tool, ckpt: Path, step_time: float) -> list[str]:
@@ -55,11 +65,26 @@ def launch_argv(tool: c.Tool, ckpt: Path, step_time: float) -> list[str]:
 
 
 def one_run(
-    tool: c.Tool, folder: Path, kill_step: int, step_time: float, start_timeout: float, timeout: float
+    tool: c.Tool,
+    folder: Path,
+    kill_step: int,
+    step_time: float,
+    start_timeout: float,
+    timeout: float,
+    event_log: bool = True,
 ) -> Outcome:
     folder.mkdir(parents=True, exist_ok=True)
+    log_path = folder / "events.jsonl" if tool.elastic and event_log else None
     with c.Group(folder) as group:
-        proc = group.launch(launch_argv(tool, folder / "ckpt", step_time), "launcher", env=tool.environ())
+        t_launch = c.time.time()
+        if log_path is not None:  # the same job under a daemon master that writes the event log
+            worker = ["--ckpt-dir", folder / "ckpt", "--step-time", step_time]
+            cluster = c.Cluster(tool, group, "1", worker, nproc=2, master_args=["--event-log", log_path])
+            if not cluster.start():
+                return Outcome(tool.name, False, "elastic-master did not start")
+            proc = cluster.start_node("node1")
+        else:
+            proc = group.launch(launch_argv(tool, folder / "ckpt", step_time), "launcher", env=tool.environ())
 
         def reached() -> dict | None:
             return c.first(proc.events(), kind="step", rank=0, step=lambda s: s >= kill_step)
@@ -92,6 +117,9 @@ def one_run(
             why = f"launcher exited with {proc.popen.returncode}" if found else f"no step within {timeout:g}s"
             return Outcome(tool.name, False, f"{why}; {_after_kill(proc.events(), t_kill)}")
         start, init, step = found
+        durations = checked = None
+        if log_path is not None:
+            durations, checked = _phase_check(proc, log_path, start["restart"], t_kill, timeout)
         events = proc.events()
         before = [e["step"] for e in events if e["kind"] == "step" and e["rank"] == 0 and e["t"] < start["t"]]
         lost = (max(before) if before else 0) - start["resumed"]
@@ -104,7 +132,36 @@ def one_run(
             step["t"] - t_kill,
             lost,
             step.get("restart"),
+            t_kill - t_launch,
+            c.step_timeline(events, 0, t_launch),
+            durations,
+            checked,
         )
+
+
+def _phase_check(
+    proc: c.Launched, log_path: Path, restart: object, t_kill: float, timeout: float
+) -> tuple[dict | None, list | None]:
+    """The recovery's phases from the event log, and their comparison with this run's own timings: when
+    the restarted workers were created (read now, while they run) and when every rank stepped."""
+    pids = [e["pid"] for e in proc.events() if e["kind"] == "start" and e["restart"] == restart]
+    created = [ph.process_created_at(pid) for pid in pids]
+
+    def logged() -> tuple[dict, dict] | None:
+        stepped: dict[int, float] = {}
+        for e in proc.events():
+            if e["kind"] == "step" and e["restart"] == restart and e["t"] > t_kill:
+                stepped.setdefault(e["rank"], e["t"])
+        durations = ph.recovery_durations(log_path)
+        return (durations, stepped) if durations and len(stepped) == len(pids) else None
+
+    found = c.wait_until(logged, min(timeout, 30.0), tick=proc.track)  # the next heartbeat reports it
+    if not found:
+        return None, None
+    durations, stepped = found
+    if not pids or None in created:
+        return durations, None
+    return durations, ph.compare(durations, max(created) - t_kill, max(stepped.values()) - t_kill)
 
 
 def _after_kill(events: list[dict], t_kill: float) -> str:
@@ -179,10 +236,57 @@ def report(tools: list[c.Tool], results: list[Outcome], runs: int, kill_step: in
             f"(target <= {TARGET_RATIO}x: {verdict}).",
         ]
     out += c.before_after(medians, "torchrun", "median kill -> first step")
+    out += phase_report(tools, results)
     failures = [r for r in results if not r.recovered]
     if failures:
         out += ["", "Runs that did not recover:"] + [f"- {r.tool}: {r.note}" for r in failures]
     return "\n".join(out)
+
+
+def phase_report(tools: list[c.Tool], results: list[Outcome]) -> list[str]:
+    """The event log's recovery phases per tool, and how they agree with the runs' own timings."""
+    logged = [r for r in results if r.recovered and r.phases]
+    if not logged:
+        return []
+    rows = []
+    for tool in tools:
+        mine = [r for r in logged if r.tool == tool.name]
+        if mine:
+            medians = [c.Stat([r.phases[p] for r in mine]).fmt(3) for p in (*ph.PHASES, "total")]
+            rows.append([tool.name, *medians])
+    checks = [r for r in logged if r.phase_check]
+    agreement = []
+    for i, (name, _, own, checked) in enumerate(ph.MAPPING):
+        agreeing = sum(r.phase_check[i]["agrees"] for r in checks)
+        worst = max(
+            (abs(r.phase_check[i]["event_log"] - r.phase_check[i]["bench"]) for r in checks), default=0
+        )
+        agreement.append(
+            [
+                f"{name} vs {own}" + ("" if checked else " (not checked)"),
+                c.Stat([r.phase_check[i]["event_log"] for r in checks]).fmt(3),
+                c.Stat([r.phase_check[i]["bench"] for r in checks]).fmt(3),
+                f"{worst * 1000:.0f}",
+                f"{agreeing}/{len(checks)}",
+            ]
+        )
+    return [
+        "",
+        "Recovery phases from the master's event log (`--event-log`; docs/observability.md), median (min-max)"
+        " seconds:",
+        "",
+        c.table(["tool", *ph.PHASES, "total"], rows),
+        "",
+        "The event log against the benchmark's own timings (kill; the kernel's creation time of the new "
+        f"workers; their first step lines), agreeing within max({ph.TOLERANCE_REL:.0%}, "
+        f"{ph.TOLERANCE_ABS * 1000:.0f} ms); the check is the total, the split is shown for information "
+        "(why: bench/phases.py):",
+        "",
+        c.table(
+            ["event log vs benchmark", "event log (s)", "benchmark (s)", "worst diff (ms)", "agree"],
+            agreement,
+        ),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-time", type=float, default=0.05, help="workload --step-time")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds after the kill before giving up")
     p.add_argument("--start-timeout", type=float, default=120.0, help="seconds to reach the kill step")
+    p.add_argument(
+        "--no-event-log",
+        action="store_true",
+        help="run elastic-run --standalone, without the event log's phases (bench/phases.py)",
+    )
+    c.add_json_option(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.runs, args.kill_step = 1, 3
@@ -206,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.step_time,
                 args.start_timeout,
                 args.timeout,
+                event_log=not args.no_event_log,
             )
             c.log(f"  -> {r}")
             results.append(r)
@@ -213,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     c.emit_report(
         args, "Worker-crash recovery", report(tools, results, args.runs, args.kill_step, args.timeout)
     )
+    c.write_json(args, "recovery", results)
     return c.finish(0)
 
 

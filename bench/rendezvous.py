@@ -38,6 +38,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as c  # noqa: E402
+from elastic.protocol import NODE_SECRET_HEADER  # noqa: E402
 
 
 # -- part 1: real agents ------------------------------------------------------------------------------------
@@ -127,23 +128,26 @@ class Http:
     async def open(self) -> None:
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
 
-    async def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
+    async def call(
+        self, method: str, path: str, body: dict | None = None, headers: str = ""
+    ) -> tuple[int, bytes]:
+        """``headers``: more header lines (``Name: value\r\n`` each) for this request only."""
         for attempt in (0, 1):
             try:
                 if self.writer is None:
                     await self.open()
-                return await self._call(method, path, body)
+                return await self._call(method, path, body, headers)
             except (ConnectionError, asyncio.IncompleteReadError):
                 self.close()
                 if attempt:
                     raise
         raise AssertionError("unreachable")
 
-    async def _call(self, method: str, path: str, body: dict | None) -> tuple[int, bytes]:
+    async def _call(self, method: str, path: str, body: dict | None, headers: str) -> tuple[int, bytes]:
         data = json.dumps(body).encode() if body is not None else b""
         ctype = "Content-Type: application/json\r\n" if body is not None else ""
         head = (
-            f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{self.headers}{ctype}"
+            f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{self.headers}{headers}{ctype}"
             f"Content-Length: {len(data)}\r\n\r\n"
         )
         self.writer.write(head.encode() + data)
@@ -202,6 +206,10 @@ async def _fake(n: int, port: int, job: str, token: str, master_pid: int, args) 
     state: dict[int, str] = {}
     gate = asyncio.Semaphore(args.join_concurrency)
     interval = 1.0
+    secrets: dict[int, str] = {}  # each fake node's secret from its join, sent as an agent sends it
+
+    def own(i: int) -> str:
+        return f"{NODE_SECRET_HEADER}: {secrets.get(i, '')}\r\n"
 
     def hb_body(i: int) -> dict:
         running = state.get(i) == "running"
@@ -214,7 +222,7 @@ async def _fake(n: int, port: int, job: str, token: str, master_pid: int, args) 
 
     async def heartbeat(conn: Http, i: int) -> None:
         t = time.perf_counter()
-        status, _ = await conn.call("POST", "/v1/heartbeat", hb_body(i))
+        status, _ = await conn.call("POST", "/v1/heartbeat", hb_body(i), own(i))
         shared.hb_times.append((time.time(), time.perf_counter() - t))
         if status != 200:
             shared.errors += 1
@@ -222,7 +230,7 @@ async def _fake(n: int, port: int, job: str, token: str, master_pid: int, args) 
     async def follow(b: Http, i: int) -> None:
         """Long-poll for the assignment, then (as the agent does) watch for commands until stopped."""
         while not shared.stop:
-            status, body = await b.call("GET", f"/v1/round?node_id=fake-{i}&after=0&timeout=30")
+            status, body = await b.call("GET", f"/v1/round?node_id=fake-{i}&after=0&timeout=30", None, own(i))
             reply = json.loads(body) if status == 200 else {}
             if reply.get("status") == "assigned":
                 assigned[i] = time.time()
@@ -236,7 +244,9 @@ async def _fake(n: int, port: int, job: str, token: str, master_pid: int, args) 
             if not args.watch:
                 await asyncio.sleep(interval)
                 continue
-            status, body = await b.call("GET", f"/v1/watch?node_id=fake-{i}&round={shared.round}&timeout=30")
+            status, body = await b.call(
+                "GET", f"/v1/watch?node_id=fake-{i}&round={shared.round}&timeout=30", None, own(i)
+            )
             if status != 200 or json.loads(body).get("command") != "continue":
                 shared.errors += 1
                 await asyncio.sleep(interval)
@@ -264,6 +274,7 @@ async def _fake(n: int, port: int, job: str, token: str, master_pid: int, args) 
             if status != 200:
                 shared.errors += 1
                 return
+            secrets[i] = json.loads(body)["node_secret"]
 
             async def beat_forever() -> None:
                 await asyncio.sleep(random.uniform(0, interval))
@@ -333,7 +344,7 @@ async def _fake(n: int, port: int, job: str, token: str, master_pid: int, args) 
             while time.time() < end:
                 i = next(counter) % n
                 t = time.perf_counter()
-                status, _ = await conn.call("POST", "/v1/heartbeat", hb_body(i))
+                status, _ = await conn.call("POST", "/v1/heartbeat", hb_body(i), own(i))
                 latencies.append(time.perf_counter() - t)
                 if status != 200:
                     shared.errors += 1

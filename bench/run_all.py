@@ -36,6 +36,7 @@ BENCHES = [
     ("scale_up", "Scale-up admission", "scale_up.py"),
     ("rendezvous", "Rendezvous latency", "rendezvous.py"),
     ("launch", "Launch overhead", "launch.py"),
+    ("fuzz_api", "API fuzzing", "fuzz_api.py"),
 ]
 
 ABOUT = """Every figure compares `elastic-run` with `python -m torch.distributed.run` (torchrun) on the same

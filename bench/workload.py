@@ -1,8 +1,11 @@
 """The benchmark workload: one small DDP training job that elastic-run and torchrun both run unchanged.
 
 It uses plain ``torch.distributed.init_process_group("gloo")`` (env:// rendezvous, no ``import elastic``)
-so torchrun runs it natively. Data and initial weights are deterministic. Rank 0 checkpoints to disk after
-every step (``torch.save`` to a temporary file, then an atomic rename) so either launcher can resume.
+so torchrun runs it natively; only under elastic-run (``ELASTIC_AGENT_SOCKET`` set) does it send each step
+to its agent with ``elastic.report`` (a local datagram), so that the master's event log sees the first
+step of a recovery (bench/phases.py). Data and initial weights are deterministic. Rank 0 checkpoints to
+disk after every step (``torch.save`` to a temporary file, then an atomic rename) so either launcher can
+resume.
 
 Output lines (stdout, flushed, parsed by ``bench/common.py``)::
 
@@ -87,6 +90,15 @@ def save(ckpt_dir: Path, state: dict) -> None:
     os.replace(tmp, ckpt_dir / CKPT_NAME)  # readers see the old or the new file, never half of one
 
 
+def _agent_report():  # noqa: ANN202 - elastic.report.report, or None
+    """``elastic.report.report`` under elastic-run; None elsewhere (torchrun never imports elastic)."""
+    if not os.environ.get("ELASTIC_AGENT_SOCKET"):
+        return None
+    from elastic.report import report
+
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ckpt_dir = Path(args.ckpt_dir)
@@ -107,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         return 0
 
+    report = _agent_report()
     model = make_model(args.hidden, args.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     if state:
@@ -129,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             save(ckpt_dir, {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()})
         emit("step", step=step, world=world, rank=rank, restart=restart)
+        if report is not None:
+            report(step)
     dist.barrier()
     emit("done", step=step, rank=rank)
     dist.destroy_process_group()

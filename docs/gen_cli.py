@@ -33,7 +33,8 @@ so a torchrun command line works after replacing the command name. Differences:
 - Unknown flags are an error (exit 2), with a one-line message.
 
 Exit codes of `elastic-run`: 0 success; 1 job failed (restarts exhausted, rendezvous timeout, master
-lost); 2 bad command line or settings rejected by the master; 128+N when stopped by signal N (129 SIGHUP,
+lost); 2 bad command line, or settings or a node id rejected by the master (another live agent uses
+the `--node-id`, or took it over); 128+N when stopped by signal N (129 SIGHUP,
 130 SIGINT, 131 SIGQUIT, 143 SIGTERM).
 """
 

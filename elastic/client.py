@@ -24,6 +24,7 @@ from elastic.master_errors import MasterError, MasterRejectedError, MasterTLSErr
 from elastic.protocol import (
     API_PREFIX,
     JOB_HEADER,
+    NODE_SECRET_HEADER,
     CommandReply,
     HeartbeatRequest,
     JobInfo,
@@ -88,6 +89,9 @@ class MasterClient:
         self._scheme = "https" if self._tls else "http"
         self.job_id = job_id
         self._headers = {"Authorization": f"Bearer {token}", JOB_HEADER: job_id}
+        # Node id -> the secret of the incarnation this client joined as: in memory only, never stored or
+        # passed on (master.credentials); sent on every request for that node.
+        self._secrets: dict[str, str] = {}
         self._timeout = request_timeout
         self._local = threading.local()
         self._preferred = 0
@@ -115,11 +119,16 @@ class MasterClient:
         params: dict | None = None,
         wait: float = 0.0,
         timeout: float | None = None,
+        node_id: str | None = None,
     ) -> M:
         # ``timeout`` (default: the client's) bounds each address's attempt, so that a master that
         # accepts connections but never answers (hung, partitioned, SIGSTOPped) costs only that long
         # before the next address is tried.
         timeout = self._timeout if timeout is None else timeout
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        secret = self._secrets.get(node_id) if node_id is not None else None
+        if secret:
+            headers[NODE_SECRET_HEADER] = secret
         last: Exception | None = None
         tls_failure: str | None = None
         count = len(self.addresses)
@@ -132,7 +141,7 @@ class MasterClient:
                     url,
                     params=params,
                     content=body.model_dump_json() if body is not None else None,
-                    headers={"Content-Type": "application/json"} if body is not None else None,
+                    headers=headers,
                     timeout=httpx.Timeout(timeout + wait, connect=min(timeout, 3.0)),
                 )
             except httpx.TransportError as exc:
@@ -176,21 +185,32 @@ class MasterClient:
         return self._call("GET", "/info", JobInfo)
 
     def join(self, req: JoinRequest) -> JoinReply:
-        return self._call("POST", "/join", JoinReply, body=req)
+        """Join as ``req.node_id``, with the secret held for it if any (a rejoin of the same incarnation);
+        the reply's secret is held from now on (none once the job is over)."""
+        reply = self._call("POST", "/join", JoinReply, body=req, node_id=req.node_id)
+        if reply.node_secret:
+            self._secrets[req.node_id] = reply.node_secret
+        else:
+            self._secrets.pop(req.node_id, None)
+        return reply
+
+    def has_joined(self, node_id: str) -> bool:
+        """Whether this client holds a secret for ``node_id`` (a join gave one)."""
+        return node_id in self._secrets
 
     def next_round(self, node_id: str, after: int, timeout: float) -> RoundReply:
         params = {"node_id": node_id, "after": after, "timeout": timeout}
-        return self._call("GET", "/round", RoundReply, params=params, wait=timeout)
+        return self._call("GET", "/round", RoundReply, params=params, wait=timeout, node_id=node_id)
 
     def heartbeat(self, req: HeartbeatRequest, timeout: float | None = None) -> CommandReply:
-        return self._call("POST", "/heartbeat", CommandReply, body=req, timeout=timeout)
+        return self._call("POST", "/heartbeat", CommandReply, body=req, timeout=timeout, node_id=req.node_id)
 
     def watch(self, node_id: str, round_number: int, timeout: float) -> CommandReply:
         params = {"node_id": node_id, "round": round_number, "timeout": timeout}
-        return self._call("GET", "/watch", CommandReply, params=params, wait=timeout)
+        return self._call("GET", "/watch", CommandReply, params=params, wait=timeout, node_id=node_id)
 
     def leave(self, req: LeaveRequest) -> CommandReply:
-        return self._call("POST", "/leave", CommandReply, body=req)
+        return self._call("POST", "/leave", CommandReply, body=req, node_id=req.node_id)
 
     def status(self) -> JobStatus:
         return self._call("GET", "/status", JobStatus)

@@ -1,8 +1,11 @@
 """Wire protocol between the elastic agent and the job master (HTTP/JSON, ``/v1``).
 
-Every request carries two headers: ``Authorization: Bearer <token>`` and ``X-Elastic-Job: <job id>``.
-Errors come back as :class:`ErrorBody` with an HTTP status: 401 wrong token, 409 wrong job or
-conflicting settings, 404 unknown node, 413 body too large, 422 malformed request (field named).
+Every request carries two headers: ``Authorization: Bearer <token>`` and ``X-Elastic-Job: <job id>``;
+requests for one node (round, heartbeat, watch, leave, and a rejoin) also carry that node's secret,
+``X-Elastic-Node-Secret``, which its join returned (:class:`JoinReply`). Errors come back as
+:class:`ErrorBody` with an HTTP status: 401 wrong token, 403 wrong node secret, 409 wrong job, conflicting
+settings or a node id another live agent uses, 404 unknown node, 413 body too large, 422 malformed request
+(field named). Which of them an agent retries: the table in :mod:`elastic.master_errors`.
 
 This module is shared by master and agent; it imports pydantic but never torch or a web framework.
 """
@@ -17,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 API_PREFIX = "/v1"
 JOB_HEADER = "X-Elastic-Job"
+#: The secret of the node incarnation a request acts for (``JoinReply.node_secret``).
+NODE_SECRET_HEADER = "X-Elastic-Node-Secret"
 MAX_BODY_BYTES = 64 * 1024
 #: Upper bound for any long-poll the master serves; clients ask for less and loop.
 LONG_POLL_CAP_S = 30.0
@@ -73,6 +78,12 @@ class WorkerFailure(_Model):
     signal: str | None = Field(default=None, description="Signal name when the worker was killed by one.")
     message: str = Field(default="", max_length=8192, description="Error message the worker left, if any.")
     kind: str = Field(default="crash", description="crash | hang")
+    age_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="Seconds since the agent saw the failure (the worker's exit, or a hung worker's last "
+        "progress) when it sent this report: where the master's recovery phase 'detect' starts.",
+    )
 
 
 class WorkerProgress(_Model):
@@ -128,6 +139,10 @@ class JoinRequest(_Model):
 class JoinReply(_Model):
     round: int = Field(description="The round the node now waits for (the master's next round).")
     master_id: str
+    node_secret: str = Field(
+        description="The secret of this node incarnation: send it as X-Elastic-Node-Secret on every request "
+        "for the node; keep it in memory only. The same on a rejoin with it; empty once the job is over."
+    )
 
 
 class Assignment(_Model):
@@ -186,6 +201,26 @@ class HeartbeatRequest(_Model):
         description="Why the agent's last persist failed, or that the running one makes no progress; "
         "empty while persists succeed.",
     )
+    workers_started_age_s: float | None = Field(
+        default=None, ge=0, description="Seconds since this round's workers were started on this node."
+    )
+    first_step_age_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="Seconds since every local worker of this round had reported its first step; None "
+        "until then.",
+    )
+    replicas: int = Field(default=0, ge=0, le=64, description="Peers this node replicates its memory to.")
+    replication_port: int | None = Field(
+        default=None, ge=1, le=65535, description="This agent's replication listener (on its host)."
+    )
+    replicated_step: int | None = Field(
+        default=None, description="Newest sharded step whose replicas on every target are complete."
+    )
+    replication_lag: int | None = Field(
+        default=None, description="Newest sharded save's step minus the replicated step (None: off)."
+    )
+    replication_error: str = Field(default="", max_length=PERSIST_ERROR_MAX)
 
 
 class CommandReply(_Model):
@@ -193,6 +228,11 @@ class CommandReply(_Model):
     round: int = Field(description="The master's current round number.")
     outcome: Outcome | None = None
     master_id: str = ""
+    peers: list[str] = Field(
+        default_factory=list,
+        description="HOST:PORT of the replication listeners of this node's ring successors "
+        "('' where not known yet); soft state.",
+    )
 
 
 class LeaveRequest(_Model):
@@ -233,6 +273,18 @@ class NodeStatus(_Model):
     node_check_verdict: str = Field(default="", description="ok | slow: ... | failed: ... (and excluded)")
     persisted_step: int | None = Field(default=None, description="Last step this node made durable on disk.")
     persist_error: str = Field(default="", description="This node's last persist error, if persists fail.")
+    replicated_step: int | None = Field(default=None, description="Newest step replicated to its peers.")
+    replication_lag: int | None = Field(default=None, description="Steps its replicas lag its memory.")
+    replication_error: str = Field(default="", description="Why its last replication push failed.")
+
+
+class StatusEvent(_Model):
+    """One of the job's recent events, as ``/v1/status`` shows it."""
+
+    seq: int = Field(description="1 for the job's first event, then one more per event.")
+    age_s: float = Field(description="Seconds since the event, on the master's clock.")
+    kind: str
+    message: str
 
 
 class JobStatus(_Model):
@@ -250,6 +302,19 @@ class JobStatus(_Model):
         default=None, description="Newest step any node made durable on disk (soft state, from heartbeats)."
     )
     nodes: list[NodeStatus]
+    goodput_ratio: float | None = Field(
+        default=None,
+        description="Training time / wall time since the job started (docs/observability.md); None before "
+        "any time passed.",
+    )
+    waiting_reason: str = Field(
+        default="",
+        description="What the rendezvous does now and why: 'waiting for 1 more node (1 joined, 2 needed) "
+        "until 12:00:03', 'closed: 2 nodes, world size 8 (...)'; the job's outcome once it ended.",
+    )
+    events: list[StatusEvent] = Field(
+        default_factory=list, description="The job's most recent events, oldest first."
+    )
 
 
 class ErrorBody(_Model):

@@ -134,4 +134,3 @@ def parse_checkpoint(data: bytes, map_location: Any) -> tuple[dict[str, Any], in
     in the job.
     """
     return flash_format.parse(data, map_location)
-

@@ -121,13 +121,16 @@ def describe_tls_failure(exc: BaseException, address: str) -> str | None:
 
 
 def speaks_tls(host: str, port: int, timeout: float) -> bool:
-    """True when ``host:port`` completes a TLS handshake. A probe that only explains why a plain http
-    request got no answer: it verifies nothing and sends no request (so no token)."""
+    """True when ``host:port`` speaks TLS: it completes a handshake, or answers it with a TLS alert (a
+    server that requires a client certificate, such as etcd with ``--client-cert-auth``). A probe that only
+    explains why a plain request got no answer: it verifies nothing and sends no request (so no token)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
     try:
         with socket.create_connection((host, port), timeout=timeout) as raw, context.wrap_socket(raw):
             return True
-    except (OSError, ValueError):  # ssl.SSLError is an OSError
+    except ssl.SSLError as exc:
+        return "ALERT" in str(getattr(exc, "reason", None) or "")  # a TLS alert record came back
+    except (OSError, ValueError):
         return False

@@ -11,7 +11,9 @@ import click
 from elastic import job_settings as ms
 from elastic.auth import TOKEN_ENV, TokenError, create_token_file, loose_permissions_warning, read_token_file
 from elastic.cli_options import job_policy_options
+from elastic.listener_rules import MASTER_API, Auth, check_listener
 from elastic.tls import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TLSConfigError, client_context, server_context
+from master.observability_options import bind_metrics, observability_options, observability_settings
 from master.settings import ServerSettings
 
 log = logging.getLogger("elastic.master")
@@ -73,8 +75,14 @@ def _check_tls(cert: str | None, key: str | None) -> None:
     "store_url",
     default="memory://",
     show_default=True,
-    help="Where job state lives: memory:// or etcd://HOST:PORT[,HOST:PORT] (durable; enables standby "
+    help="Where job state lives: memory:// or etcd://[USER@]HOST:PORT[,HOST:PORT] (durable; enables standby "
     "masters and restarts without stopping training).",
+)
+@click.option(
+    "--store-password-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="File holding the password of the etcd user named in --store (etcd with authentication on).",
 )
 @click.option(
     "--tls-cert",
@@ -91,6 +99,7 @@ def _check_tls(cert: str | None, key: str | None) -> None:
     default=None,
     help=f"The certificate's PEM private key (unencrypted). Default: {TLS_KEY_ENV}.",
 )
+@observability_options
 @click.pass_context
 def cli(ctx: click.Context, **opts) -> None:
     """Serve one elastic job: rendezvous rounds, heartbeats, failure verdicts.
@@ -128,7 +137,7 @@ def cli(ctx: click.Context, **opts) -> None:
         raise click.UsageError(str(exc)) from None
     from master.server import bind_socket, serve_forever  # web stack only when serving
     from master.store import StoreError
-    from master.store_factory import check_store, open_store
+    from master.store_factory import check_store, open_store, read_password_file
 
     settings = ServerSettings(
         job=job,
@@ -139,10 +148,17 @@ def cli(ctx: click.Context, **opts) -> None:
         tls_cert=opts["tls_cert"],
         tls_key=opts["tls_key"],
     )
+    settings = observability_settings(settings, opts)
     try:
-        check_store(settings.store_url, job.job_id)
+        password = read_password_file(opts["store_password_file"]) if opts["store_password_file"] else None
+    except StoreError as exc:
+        raise click.BadParameter(str(exc), param_hint="--store-password-file") from None
+    try:
+        check_store(settings.store_url, job.job_id, password=password)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from None
+    for warning in check_listener(MASTER_API, settings.host, auth=Auth.SECRET, tls=bool(settings.tls_cert)):
+        log.warning("%s", warning)  # the master always has a secret token: only warnings, never a refusal
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
@@ -152,7 +168,8 @@ def cli(ctx: click.Context, **opts) -> None:
     host, port = sock.getsockname()[:2]
     # The plain line is unchanged (scripts and tests match it to its end); TLS adds a suffix.
     log.info("listening on %s:%d%s", host, port, " (https)" if settings.tls_cert else "")
-    serve_forever(settings, sock, open_store(settings.store_url, job.job_id))
+    settings, metrics_sock = bind_metrics(settings, opts["metrics_port"], bind_socket)
+    serve_forever(settings, sock, open_store(settings.store_url, job.job_id, password=password), metrics_sock)
 
 
 @cli.command()
@@ -167,10 +184,31 @@ def cli(ctx: click.Context, **opts) -> None:
     help=f"Speak https and verify the master's certificate with this PEM CA file. Default: {TLS_CA_ENV}.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON status.")
-def status(master: str, job_id: str, token_file: str | None, tls_ca: str | None, as_json: bool) -> None:
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="A live view in the terminal (nodes, the round and why it waits, goodput, checkpoints, recent "
+    "events), redrawn every --interval until Ctrl-C.",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="Seconds between two redraws of --watch.",
+)
+def status(
+    master: str,
+    job_id: str,
+    token_file: str | None,
+    tls_ca: str | None,
+    as_json: bool,
+    watch: bool,
+    interval: float,
+) -> None:
     """Print the job's nodes: id, rank, state, heartbeat age, restarts, round, world size, step time and
-    flags (straggler, node-check verdict), then the node-check figures when the job ran a check, and the
-    nodes whose checkpoint persists fail, with the error."""
+    flags (straggler, node-check verdict), then the node-check figures when the job ran a check, the
+    nodes whose checkpoint persists fail, with the error, and what the round waits for."""
     from elastic.addresses import parse_addresses
     from elastic.auth import derived_token
     from elastic.client import MasterClient
@@ -188,7 +226,12 @@ def status(master: str, job_id: str, token_file: str | None, tls_ca: str | None,
             client_context(tls_ca)  # a bad CA file is a usage error, before any connection
     except (ValueError, TokenError) as exc:  # TLSConfigError is a ValueError
         raise click.UsageError(str(exc)) from None
+    if watch and as_json:
+        raise click.UsageError("--watch and --json exclude each other (--json is for scripts)")
     client = MasterClient(addresses, job_id, token, tls_ca=tls_ca)
+    if watch:
+        _watch(client, interval)
+        return
     try:
         job = client.status()
     except MasterError as exc:
@@ -196,6 +239,25 @@ def status(master: str, job_id: str, token_file: str | None, tls_ca: str | None,
     finally:
         client.close()
     click.echo(job.model_dump_json(indent=2) if as_json else render_status(job))
+
+
+def _watch(client, interval: float) -> None:
+    """``status --watch``: the live view until Ctrl-C; a refused request (wrong token or job) ends it."""
+    from rich.console import Console
+
+    from elastic.master_errors import MasterError
+    from master.status_watch import watch
+
+    console = Console()
+    try:
+        if not console.is_terminal:
+            raise click.UsageError("--watch needs a terminal; use the plain table or --json in scripts")
+        client.status()  # a wrong token or job id is one line and exit 1, not a view that says so forever
+        watch(client.status, interval, console, errors=(MasterError,))  # later: shown in the view, retried
+    except MasterError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        client.close()
 
 
 def main(argv: list[str] | None = None) -> None:

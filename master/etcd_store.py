@@ -12,6 +12,12 @@ Keys, under ``/elastic/<job_id>/``:
     that the leader key still is *this* master's key (same value and same create revision, which names one
     lease term), so a deposed master can never overwrite the state of the master that replaced it.
 
+Behind TLS: the etcd client (``aetcd``) speaks plain gRPC only. An etcd that requires TLS is reached through
+``etcd grpc-proxy`` on the master's host (listening on 127.0.0.1, speaking TLS with a client certificate to
+etcd); with etcd's authentication on, the master logs in as the user named in ``--store`` with its password,
+which the proxy passes on. Pointed straight at a TLS port, :meth:`EtcdStore.start` says so in one line.
+See docs/operations.md ("etcd behind TLS").
+
 A leader that cannot renew its lease before two thirds of its TTL have passed (etcd unreachable), or that
 finds its lease or leader key gone, steps down: ``on_lost`` is called once and the master answers 503
 until it wins a new campaign. The campaign retries while etcd is unreachable, reconnecting (to the next
@@ -32,8 +38,10 @@ import time
 from collections.abc import Awaitable, Callable
 
 import aetcd
+from aetcd import rpc
 from aetcd.rtypes import EventKind
 
+from elastic.tls import speaks_tls
 from master.store import Snapshot, StateStore, StoreError
 
 log = logging.getLogger("elastic.master.etcd")
@@ -58,6 +66,14 @@ _CHANNEL_OPTIONS = {
 }
 
 
+#: How to reach an etcd that requires TLS, for the one-line errors that meet one.
+TLS_HINT = (
+    "the master's etcd client speaks plain gRPC only: run `etcd grpc-proxy start` with a client certificate "
+    "on this host, listening on 127.0.0.1, and give --store etcd://127.0.0.1:PROXY_PORT (docs/operations.md, "
+    '"etcd behind TLS")'
+)
+
+
 def parse_endpoints(text: str) -> list[tuple[str, int]]:
     """``HOST:PORT[,HOST:PORT...]`` (an ``http://`` prefix is tolerated) → ``[(host, port), ...]``."""
     out = []
@@ -65,6 +81,8 @@ def parse_endpoints(text: str) -> list[tuple[str, int]]:
         part = part.strip().removeprefix("http://").rstrip("/")
         if not part:
             continue
+        if part.startswith("https://"):
+            raise StoreError(f"--store etcd://{text}: {part} is an https endpoint; {TLS_HINT}")
         host, sep, port = part.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise StoreError(f"--store etcd://{text}: each etcd endpoint must be HOST:PORT, got {part!r}")
@@ -79,15 +97,54 @@ def _one_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
+async def _refresh_lease(client: aetcd.Client, lease_id: int) -> rpc.LeaseKeepAliveResponse | None:
+    """Renew a lease once. Unlike ``aetcd.Client.refresh_lease``, the request stream stays open until the
+    reply came: etcd's grpc-proxy cancels a keep-alive whose client closed its side first ("context
+    canceled"), which would make every renewal through the proxy fail."""
+    await client.connect()
+    answered = asyncio.Event()
+
+    async def requests():
+        yield rpc.LeaseKeepAliveRequest(ID=lease_id)
+        await answered.wait()
+
+    call = client.leasestub.LeaseKeepAlive(requests(), timeout=RPC_TIMEOUT_S, metadata=client.metadata)
+    try:
+        async for reply in call:
+            return reply
+        return None
+    except rpc.AioRpcError as exc:
+        if exc.code() is rpc.StatusCode.UNAVAILABLE:
+            raise aetcd.ConnectionFailedError(exc.details()) from None
+        if exc.code() is rpc.StatusCode.DEADLINE_EXCEEDED:
+            raise aetcd.ConnectionTimeoutError(exc.details()) from None
+        raise aetcd.ClientError(exc.details()) from None
+    finally:
+        answered.set()
+        call.cancel()
+
+
 class EtcdStore(StateStore):
     """Job state under ``/elastic/<job_id>/`` in etcd, with lease-based leader election."""
 
     durable = True
 
-    def __init__(self, endpoints: str, job_id: str, *, lease_ttl_s: float = 3.0) -> None:
+    def __init__(
+        self,
+        endpoints: str,
+        job_id: str,
+        *,
+        lease_ttl_s: float = 3.0,
+        username: str | None = None,
+        password: str | None = None,
+    ) -> None:
+        """``username``/``password``: an etcd user (etcd's authentication on); both or neither."""
         if not job_id:
             raise StoreError("the etcd store needs a job id")
+        if (username is None) != (password is None):
+            raise StoreError("the etcd store needs both a user name and a password, or neither")
         self.endpoints = parse_endpoints(endpoints)
+        self._username, self._password = username, password
         self.job_id = job_id
         # etcd grants whole seconds (and at least 2 s on a default server); the granted TTL is used.
         self.lease_ttl = max(1, math.ceil(lease_ttl_s))
@@ -121,7 +178,14 @@ class EtcdStore(StateStore):
     def _connect(self) -> aetcd.Client:
         if self._client is None:
             host, port = self.endpoints[self._endpoint_index]
-            self._client = aetcd.Client(host=host, port=port, timeout=RPC_TIMEOUT_S, options=_CHANNEL_OPTIONS)
+            self._client = aetcd.Client(
+                host=host,
+                port=port,
+                username=self._username,
+                password=self._password,
+                timeout=RPC_TIMEOUT_S,
+                options=_CHANNEL_OPTIONS,
+            )
         return self._client
 
     async def _reconnect(self) -> None:
@@ -133,17 +197,33 @@ class EtcdStore(StateStore):
                 await asyncio.wait_for(client.close(), 2.0)
 
     async def start(self) -> None:
-        """Connect and read the leader key; raise :class:`StoreError` (one line) when no endpoint answers."""
-        errors = []
+        """Connect and read the leader key; raise :class:`StoreError` (one line) when no endpoint answers,
+        or when one answers no (wrong user or password, no permission on the job's keys), or speaks TLS."""
+        errors, refusals, tls = [], [], []
         for _ in self.endpoints:
+            endpoint = self.endpoint
             try:
                 await asyncio.wait_for(self._connect().get(self.leader_key), START_TIMEOUT_S)
                 return
             except (aetcd.ClientError, *_TRANSIENT) as exc:
                 timed_out = isinstance(exc, (asyncio.TimeoutError, TimeoutError))
                 reason = f"no answer within {START_TIMEOUT_S:g}s" if timed_out else _one_line(exc)
-                errors.append(f"{self.endpoint}: {reason}" if len(self.endpoints) > 1 else reason)
+                if not isinstance(exc, _TRANSIENT):
+                    refusals.append(f"{endpoint}: {reason}" if len(self.endpoints) > 1 else reason)
+                elif await asyncio.to_thread(speaks_tls, *self.endpoints[self._endpoint_index], 1.0):
+                    tls.append(endpoint)  # plain gRPC to a TLS port: the handshake fails, "Socket closed"
+                else:
+                    errors.append(f"{endpoint}: {reason}" if len(self.endpoints) > 1 else reason)
                 await self._reconnect()
+        if refusals:
+            who = f"the etcd user {self._username!r}" if self._username else "a client without an etcd user"
+            raise StoreError(
+                f"etcd at {self._describe_endpoints()} refused {who}: {'; '.join(refusals)} (the user needs "
+                f"read/write on the prefix {self.leader_key.decode().rpartition('/')[0]}/; "
+                "check --store's user and --store-password-file)"
+            )
+        if tls:
+            raise StoreError(f"etcd at {', '.join(tls)} speaks TLS: {TLS_HINT}")
         raise StoreError(
             f"etcd at {self._describe_endpoints()} is unreachable: {'; '.join(errors)}; "
             "start etcd or fix --store"
@@ -262,7 +342,7 @@ class EtcdStore(StateStore):
             give_up = renewed_at + 2.0 * period
             try:
                 client = self._connect()
-                reply = await asyncio.wait_for(client.refresh_lease(lease_id), max(0.05, give_up - sent))
+                reply = await asyncio.wait_for(_refresh_lease(client, lease_id), max(0.05, give_up - sent))
                 if reply is None or reply.TTL <= 0:
                     return await self._lose(f"its etcd lease {lease_id:x} expired")
                 left = max(0.05, give_up - time.monotonic())

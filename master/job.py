@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from elastic.job_settings import JobSettings
 from elastic.protocol import (
+    NODE_SECRET_HEADER,
     Assignment,
     Command,
     CommandReply,
@@ -29,10 +30,17 @@ from elastic.protocol import (
     WorkerFailure,
     WorkerProgress,
 )
+from elastic.shard_layout import ring_targets
+from master.credentials import JoinKind, hash_secret, judge_join, matches, new_secret
+from master.goodput import GoodputAccount
+from master.job_events import HANG, NODE_LOSS, SCALE_UP, WORKER_FAILURE, Event, restore_events
+from master.job_stats import JobStats
 from master.liveness import Liveness
 from master.node_check import NodeCheck
+from master.recovery_phases import PHASES, RecoveryTracker
 from master.rendezvous import Candidate, Phase, Rendezvous
 from master.stragglers import StragglerTracker, node_pace
+from master.wait_reason import recent_events, waiting_reason
 
 EXIT_FAILED = 1
 #: Seconds between two computations of the job-wide aggregates (committed step, stragglers) in tick().
@@ -61,6 +69,20 @@ class NodeExcludedError(JobError):
     http_status = 409
 
 
+class BadNodeSecretError(JobError):
+    """A request for a known node without that node's current secret (master.credentials)."""
+
+    code = "bad_node_secret"
+    http_status = 403
+
+
+class DuplicateNodeError(JobError):
+    """A join under the id of a node whose agent is alive, without that agent's secret."""
+
+    code = "duplicate_node"
+    http_status = 409
+
+
 @dataclass(frozen=True)
 class _PendingFailure:
     """A worker failure whose restart is charged provisionally until the restart round closes."""
@@ -69,13 +91,6 @@ class _PendingFailure:
     members: frozenset[str]
     cause: str
     counted: bool  # False when the budget was already spent: the job fails at the close
-
-
-@dataclass(frozen=True)
-class Event:
-    at: float
-    kind: str
-    message: str
 
 
 @dataclass
@@ -88,9 +103,17 @@ class NodeInfo:
     failures: int = 0
     workers: list[WorkerProgress] = field(default_factory=list)
     ckpt_step: int | None = None
+    #: Hash of the current incarnation's secret (durable; master.credentials); never the secret itself.
+    secret_hash: str = ""
     # Soft state from heartbeats (never stored): the node's durable checkpoint and its persist trouble.
     persisted_step: int | None = None
     persist_error: str = ""
+    # Soft state: peer replication of its memory checkpoints (agent.replication).
+    replication_port: int | None = None
+    replicated_step: int | None = None
+    replication_lag: int | None = None
+    replication_error: str = ""
+    joined_at: float | None = None  # when it last joined (a scale-up's detection starts there)
 
     @property
     def step(self) -> int | None:
@@ -139,6 +162,12 @@ class Job:
         self.excluded_nodes: dict[str, NodeInfo] = {}  # by the node check; kept for the status view
         self.removed_count = 0  # nodes ever removed (dead, left, excluded): part of long_poll_key()
         self._aggregates_at = float("-inf")  # when _refresh_aggregates() last ran
+        self.goodput = GoodputAccount(started_at=now)
+        self.recovery = RecoveryTracker()
+        self.stats = JobStats()
+        self._persisted_high: int | None = None  # newest persisted step seen (counts persisted checkpoints)
+        self.persisted_at: float | None = None  # when it last moved forward (soft state)
+        self._event(now, "job_started", f"job {settings.job_id} started (master {self.master_id})")
 
     # -- requests ---------------------------------------------------------------------------------
     def info(self) -> JobInfo:
@@ -157,8 +186,11 @@ class Job:
             node_check=s.node_check,
         )
 
-    def join(self, req: JoinRequest, now: float) -> JoinReply:
-        """A node asks to take part in the next round."""
+    def join(self, req: JoinRequest, now: float, node_secret: str | None = None) -> JoinReply:
+        """A node asks to take part in the next round. ``node_secret``: the secret the join carries, if
+        any. A join for an id whose agent is alive must carry that agent's secret (a rejoin, which keeps
+        it); without it, it is a duplicate (:class:`DuplicateNodeError`). Any other join starts a new
+        incarnation of the id with a new secret (:func:`master.credentials.judge_join`)."""
         s = self.settings
         if (req.min_nodes, req.max_nodes) != (s.min_nodes, s.max_nodes):
             raise SettingsMismatchError(
@@ -167,30 +199,52 @@ class Job:
             )
         if req.node_id in self.node_check.excluded:
             raise NodeExcludedError(self.node_check.excluded[req.node_id])
-        if self.outcome is None:
-            was_member = self.rdzv.is_member(req.node_id)
-            node = self.nodes.get(req.node_id)
-            if node is None:
-                node = self.nodes[req.node_id] = NodeInfo(req.node_id, req.host, req.nproc)
-            node.host, node.nproc, node.state = req.host, req.nproc, NodeState.WAITING
-            self.liveness.beat(req.node_id, now)
-            self.rdzv.join(Candidate(req.node_id, req.host, req.nproc, req.store_port, now), now)
-            self._event(now, "node_joined", f"node {req.node_id} ({req.host}, {req.nproc} workers) joined")
-            if was_member and self._succeeded:
-                why = f"member {req.node_id} restarted after other nodes had finished; cannot restart"
-                self._finish(Outcome(succeeded=False, exit_code=EXIT_FAILED, summary=why), now)
-            elif was_member:
-                # A member joining a running round means its agent restarted: a membership change.
-                self._open_round(now, f"member {req.node_id} rejoined", counted=False)
-            self._advance(now)
-        return JoinReply(round=self.rdzv.round, master_id=self.master_id)
+        if self.outcome is not None:
+            # Nothing left to take part in, so no credential: the agent learns the outcome from /v1/round.
+            return JoinReply(round=self.rdzv.round, master_id=self.master_id, node_secret="")
+        node = self.nodes.get(req.node_id)
+        kind = judge_join(node.secret_hash if node else None, self._alive(req.node_id, now), node_secret)
+        if kind is JoinKind.DUPLICATE:
+            raise DuplicateNodeError(
+                f"node id {req.node_id} is in use by another live agent of job {self.settings.job_id}; give "
+                f"every agent its own --node-id (a restarted agent is let in once the master declares the "
+                f"previous one dead, within {self.settings.heartbeat_timeout_s:g}s of its last heartbeat)"
+            )
+        secret = node_secret if kind is JoinKind.REJOIN and node_secret else new_secret()
+        if kind is JoinKind.REPLACE:
+            closed = self.liveness.suspected(req.node_id)
+            why = "its connection to the master closed" if closed else "it stopped heartbeating"
+            self._event(
+                now, "node_replaced", f"node {req.node_id}: a new agent replaced the previous one ({why})"
+            )
+        was_member = self.rdzv.is_member(req.node_id)
+        if node is None:
+            node = self.nodes[req.node_id] = NodeInfo(req.node_id, req.host, req.nproc)
+        node.host, node.nproc, node.state = req.host, req.nproc, NodeState.WAITING
+        node.joined_at = now
+        node.secret_hash = hash_secret(secret)
+        self.liveness.beat(req.node_id, now)
+        self.rdzv.join(Candidate(req.node_id, req.host, req.nproc, req.store_port, now), now)
+        joined = f"node {req.node_id} ({req.host}, {req.nproc} workers) joined"
+        self._event(now, "node_joined", joined, node=req.node_id)
+        if was_member and self._succeeded:
+            why = f"member {req.node_id} restarted after other nodes had finished; cannot restart"
+            self._finish(Outcome(succeeded=False, exit_code=EXIT_FAILED, summary=why), now)
+        elif was_member:
+            # A member joining a running round means its agent restarted: a membership change.
+            self._open_round(now, f"member {req.node_id} rejoined", counted=False, cause=NODE_LOSS)
+        self._advance(now)
+        return JoinReply(round=self.rdzv.round, master_id=self.master_id, node_secret=secret)
 
-    def next_round(self, node_id: str, after: int) -> RoundReply | None:
-        """The node's assignment in a round newer than ``after``; None while there is none yet."""
+    def next_round(self, node_id: str, after: int, node_secret: str | None) -> RoundReply | None:
+        """The node's assignment in a round newer than ``after``; None while there is none yet. A finished
+        job's outcome is answered to any caller (``GET /v1/status`` shows it too); anything else needs the
+        node's secret."""
         if self.outcome is not None:
             return RoundReply(status="finished", outcome=self.outcome, round=self.rdzv.round)
         if node_id not in self.nodes:
             raise UnknownNodeError(f"node {node_id} has not joined job {self.settings.job_id}")
+        self._authenticate(self.nodes[node_id], node_secret)
         current = self.rdzv.current
         if self.rdzv.phase is Phase.ACTIVE and current and current.number > after:
             slot = current.slot(node_id)
@@ -200,8 +254,9 @@ class Job:
             raise UnknownNodeError(f"node {node_id} is not waiting for a round; join first")
         return None
 
-    def heartbeat(self, req: HeartbeatRequest, now: float) -> CommandReply:
-        """Record a node's state; act on a failure or success; say what the node must do."""
+    def heartbeat(self, req: HeartbeatRequest, now: float, node_secret: str | None) -> CommandReply:
+        """Record a node's state; act on a failure or success; say what the node must do. Raises
+        :class:`BadNodeSecretError`, having changed nothing, when ``node_secret`` is not the node's."""
         node = self.nodes.get(req.node_id)
         if node is None:
             if self.outcome is not None:
@@ -211,10 +266,14 @@ class Job:
             raise UnknownNodeError(
                 f"node {req.node_id} is not part of job {self.settings.job_id}; join first"
             )
+        self._authenticate(node, node_secret)
         if req.node_id not in self._succeeded:  # a finished node is no longer watched for liveness
             self.liveness.beat(req.node_id, now)
         node.workers = list(req.workers)
         self._note_persist(node, req, now)
+        node.replication_port, node.replicated_step = req.replication_port, req.replicated_step
+        node.replication_lag, node.replication_error = req.replication_lag, req.replication_error
+        self._note_round_progress(node, req, now)
         if req.ckpt_step is not None and req.round == self.rdzv.round:
             node.ckpt_step = req.ckpt_step  # the committed step follows in tick() (_refresh_aggregates)
         current_round = req.round == self.rdzv.round and self.rdzv.is_member(req.node_id)
@@ -232,21 +291,39 @@ class Job:
             and node.node_id not in self._succeeded  # repeated reports are not new transitions
         ):
             self._on_success(node, now)
-        return self.command_for(req.node_id, req.round)
+        reply = self.command_for(req.node_id, req.round)
+        if req.replicas and reply.command is Command.CONTINUE and self.rdzv.is_member(req.node_id):
+            reply = reply.model_copy(update={"peers": self._replica_targets(req.node_id, req.replicas)})
+        return reply
 
-    def leave(self, node_id: str, reason: str, now: float) -> None:
+    def _replica_targets(self, node_id: str, replicas: int) -> list[str]:
+        """The replication endpoints of a node's ring successors in the current round (O(replicas))."""
+        peers = []
+        for peer in ring_targets(self.rdzv.current.members, node_id, replicas):
+            info = self.nodes.get(peer)
+            port = info.replication_port if info is not None else None
+            host = info.host if info is not None else ""
+            peers.append(f"[{host}]:{port}" if ":" in host and port else f"{host}:{port}" if port else "")
+        return peers
+
+    def leave(self, node_id: str, reason: str, now: float, node_secret: str | None) -> None:
         """Orderly departure (the agent was told to stop, e.g. preemption): a membership change."""
         if node_id not in self.nodes:
             raise UnknownNodeError(f"node {node_id} is not part of job {self.settings.job_id}")
+        self._authenticate(self.nodes[node_id], node_secret)
         self._remove(node_id, f"node {node_id} left" + (f" ({reason})" if reason else ""), "node_left", now)
         self._advance(now)
 
-    def connection_lost(self, node_id: str, now: float) -> None:
+    def connection_lost(self, node_id: str, now: float, node_secret: str | None) -> None:
         """A node's agent closed a long-poll before the answer. Its process most likely died (the kernel
         closes a dead process's connections): unless it heartbeats within two heartbeat intervals it is
         declared dead then, not only after the whole heartbeat timeout. A machine that vanishes closes
-        nothing; the heartbeat timeout still covers it."""
-        if self.outcome is not None or node_id not in self.nodes or node_id in self._succeeded:
+        nothing; the heartbeat timeout still covers it. Only the connection of a request that carried the
+        node's current secret counts (not one of a replaced incarnation, nor anybody else's)."""
+        node = self.nodes.get(node_id)
+        if self.outcome is not None or node is None or node_id in self._succeeded:
+            return
+        if not matches(node.secret_hash, node_secret):
             return
         s = self.settings
         within = min(2 * s.heartbeat_interval_s, s.heartbeat_timeout_s)
@@ -256,18 +333,20 @@ class Job:
             "node_suspect",
             f"node {node_id} closed its connection to the master; declared dead unless it heartbeats "
             f"within {within:g}s",
+            node=node_id,
         )
 
-    def watch(self, node_id: str, node_round: int) -> CommandReply:
+    def watch(self, node_id: str, node_round: int, node_secret: str | None) -> CommandReply:
         """:meth:`command_for` for a node's watch long-poll. A node this master does not know gets
         :class:`UnknownNodeError`, as its heartbeat does: a master restarted without a durable store (or
-        one that declared the node dead) must say so, not answer "rejoin" as if it had opened a round."""
+        one that declared the node dead) must say so, not answer "rejoin" as if it had opened a round. A
+        known node's secret is checked while the job runs (a finished job's outcome is no secret)."""
         if self.outcome is None and node_id in self.node_check.excluded:
             return self._exclude_reply(node_id)
         if self.outcome is None and node_id not in self.nodes:
-            raise UnknownNodeError(
-                f"node {node_id} is not part of job {self.settings.job_id}; join first"
-            )
+            raise UnknownNodeError(f"node {node_id} is not part of job {self.settings.job_id}; join first")
+        if self.outcome is None:
+            self._authenticate(self.nodes[node_id], node_secret)
         return self.command_for(node_id, node_round)
 
     def command_for(self, node_id: str, node_round: int) -> CommandReply:
@@ -293,7 +372,11 @@ class Job:
             age = self.liveness.age(node_id, now)
             why = " after closing its connection" if self.liveness.suspected(node_id) else ""
             self._remove(
-                node_id, f"node {node_id} declared dead (no heartbeat for {age:.1f}s{why})", "node_dead", now
+                node_id,
+                f"node {node_id} declared dead (no heartbeat for {age:.1f}s{why})",
+                "node_dead",
+                now,
+                began_at=now - age if age is not None else now,  # its last heartbeat
             )
             if self.outcome is not None:
                 return
@@ -339,6 +422,9 @@ class Job:
                     node_check_verdict=verdict.describe() if verdict else "",
                     persisted_step=node.persisted_step,
                     persist_error=node.persist_error,
+                    replicated_step=node.replicated_step,
+                    replication_lag=node.replication_lag,
+                    replication_error=node.replication_error,
                 )
             )
         if self.outcome is not None:
@@ -360,6 +446,9 @@ class Job:
                 (r.persisted_step for r in rows if r.persisted_step is not None), default=None
             ),
             nodes=rows,
+            goodput_ratio=self.goodput.ratio(now),
+            waiting_reason=waiting_reason(self, now),
+            events=recent_events(self, now),
         )
 
     # -- persistence ------------------------------------------------------------------------------
@@ -377,6 +466,7 @@ class Job:
                     "state": n.state.value,
                     "round": n.round,
                     "failures": n.failures,
+                    "secret_hash": n.secret_hash,
                 }
                 for n in self.nodes.values()
             ],
@@ -386,8 +476,11 @@ class Job:
             "round_failed": sorted(self._round_failed),
             "succeeded": sorted(self._succeeded),
             "event_count": self.event_count,
-            "events": [{"kind": e.kind, "message": e.message} for e in list(self.events)[-100:]],
+            "events": [e.record() for e in list(self.events)[-100:]],
             "node_check": self.node_check.snapshot(),
+            "goodput": self.goodput.snapshot(),
+            "stats": self.stats.snapshot(),
+            "recovery": self.recovery.snapshot(),
         }
 
     @classmethod
@@ -402,14 +495,25 @@ class Job:
             job.nodes[n["node_id"]] = NodeInfo(
                 n["node_id"], n["host"], n["nproc"], NodeState(n["state"]), n["round"], n["failures"]
             )
+            # State written before node credentials has no hash: such a node's requests are refused (403)
+            # and its agent says so; one never takes over a node by its id alone.
+            job.nodes[n["node_id"]].secret_hash = n.get("secret_hash", "")
         job.restart_count = int(data.get("restart_count", 0))
         job.committed_step = data.get("committed_step")
         job.outcome = Outcome(**data["outcome"]) if data.get("outcome") else None
         job._round_failed = set(data.get("round_failed", []))
         job._succeeded = set(data.get("succeeded", []))
-        for e in data.get("events", []):
-            job.events.append(Event(now, e["kind"], e["message"]))
-        job.event_count = int(data.get("event_count", len(job.events)))
+        stored = data.get("events", [])
+        job.event_count = int(data.get("event_count", len(stored)))
+        job.events.clear()  # the stored events replace this object's own job_started
+        job.events.extend(restore_events(stored, job.event_count, now))
+        job.goodput = GoodputAccount.restore(data.get("goodput"), now)
+        job.stats = JobStats.restore(data.get("stats"))
+        current = job.rdzv.current
+        active = job.rdzv.phase is Phase.ACTIVE and current is not None
+        job.recovery.restore(
+            data.get("recovery"), current.number if active else None, current.members if active else []
+        )
         job.node_check.restore(data.get("node_check"))
         for node_id in job.nodes:
             if node_id not in job._succeeded:
@@ -424,6 +528,28 @@ class Job:
         return job
 
     # -- internals --------------------------------------------------------------------------------
+    def _alive(self, node_id: str, now: float) -> bool:
+        """Whether the id's current incarnation is alive: joined, not dead, left or excluded (those leave
+        :attr:`nodes`), heard from within the heartbeat timeout with no closed connection since, or
+        finished (its agent may still wait for the job's outcome)."""
+        if node_id not in self.nodes:
+            return False
+        return node_id in self._succeeded or self.liveness.alive(node_id, now)
+
+    def _authenticate(self, node: NodeInfo, node_secret: str | None) -> None:
+        """Raise :class:`BadNodeSecretError` unless ``node_secret`` is the node's current secret."""
+        if matches(node.secret_hash, node_secret):
+            return
+        if not node_secret:
+            raise BadNodeSecretError(
+                f"request for node {node.node_id} carries no node secret ({NODE_SECRET_HEADER}); only the "
+                f"agent that joined as {node.node_id} may act for it"
+            )
+        raise BadNodeSecretError(
+            f"wrong node secret for node {node.node_id}: another agent joined as {node.node_id} since "
+            f"(give every agent its own --node-id), or the request does not come from its agent"
+        )
+
     def _reply(self, command: Command) -> CommandReply:
         return CommandReply(
             command=command, round=self.rdzv.round, outcome=self.outcome, master_id=self.master_id
@@ -461,6 +587,7 @@ class Job:
         that would make a heartbeat interval of N nodes cost O(N^2)."""
         self._aggregates_at = now
         self._update_committed_step()
+        self._update_persisted_count(now)
         self._update_stragglers(now)
 
     def _note_persist(self, node: NodeInfo, req: HeartbeatRequest, now: float) -> None:
@@ -470,13 +597,17 @@ class Job:
             node.persisted_step = req.persisted_step
         if req.persist_error and not node.persist_error:
             self._event(
-                now, "persist_failed", f"node {node.node_id}: checkpoint persist failed: {req.persist_error}"
+                now,
+                "persist_failed",
+                f"node {node.node_id}: checkpoint persist failed: {req.persist_error}",
+                node=node.node_id,
             )
         elif node.persist_error and not req.persist_error:
             self._event(
                 now,
                 "persist_recovered",
                 f"node {node.node_id}: checkpoints persist again (persisted step {node.persisted_step})",
+                node=node.node_id,
             )
         node.persist_error = req.persist_error
 
@@ -527,31 +658,129 @@ class Job:
             newest = min(steps)
             if self.committed_step is None or newest > self.committed_step:
                 self.committed_step = newest
+                self.stats.checkpoints_committed += 1
                 self.version += 1
 
-    def _event(self, now: float, kind: str, message: str) -> None:
-        self.events.append(Event(now, kind, message))
+    def _update_persisted_count(self, now: float) -> None:
+        """Count the times the newest step some node made durable moved forward (soft state: counted with
+        the next save, never a store write of its own)."""
+        steps = [n.persisted_step for n in self.nodes.values() if n.persisted_step is not None]
+        newest = max(steps, default=None)
+        if newest is not None and (self._persisted_high is None or newest > self._persisted_high):
+            if self._persisted_high is not None:
+                self.stats.checkpoints_persisted += 1
+            self._persisted_high, self.persisted_at = newest, now
+
+    def _is_check_round(self, number: int) -> bool:
+        """Whether round ``number`` is (or, closing while the check is pending, becomes) a node-check
+        round, which trains nothing (read-only, unlike NodeCheck.covers)."""
+        check = self.node_check
+        return check.mode != "off" and (number in check.rounds or not check.done)
+
+    def _note_round_progress(self, node: NodeInfo, req: HeartbeatRequest, now: float) -> None:
+        """A member's workers started or first stepped in the current round (recovery phases, goodput):
+        one event when the last member's did, never one per node."""
+        if req.round != self.rdzv.round or not self.rdzv.is_member(node.node_id):
+            return
+        if req.workers_started_age_s is not None:
+            started = self.recovery.node_started(node.node_id, req.round, now - req.workers_started_age_s)
+            if started is not None:
+                self._event(
+                    now,
+                    "workers_started",
+                    f"round {req.round}: every member started its workers",
+                    round=req.round,
+                    data={"at": started},
+                )
+        if req.first_step_age_s is not None:
+            stepped = self.recovery.node_stepped(node.node_id, req.round, now - req.first_step_age_s)
+            if stepped is not None:
+                at, recovery = stepped
+                training = self._training_started(at)
+                if recovery is None:
+                    self._event(
+                        now,
+                        "first_step",
+                        f"round {req.round}: every member stepped; training",
+                        round=req.round,
+                        data=training,
+                    )
+                    return
+                phases = ", ".join(f"{p} {recovery.seconds[p]:.2f}s" for p in PHASES)
+                self._event(
+                    now,
+                    "first_step",
+                    f"round {req.round}: every member stepped; recovered from {recovery.cause} in "
+                    f"{recovery.total:.2f}s ({phases})",
+                    round=req.round,
+                    cause=recovery.cause,
+                    durations={**recovery.seconds, "total": recovery.total},
+                    data=training,
+                )
+
+    def _training_started(self, at: float) -> dict:
+        return {"training": "started", "training_at": at} if self.goodput.start(at) else {}
+
+    def _training_stopped(self, at: float) -> dict:
+        """Stop goodput's training clock at ``at``; the data to put on the event that stopped it."""
+        return {"training": "stopped", "training_at": at} if self.goodput.stop(at) else {}
+
+    def _event(self, now: float, kind: str, message: str, **fields) -> None:
+        """Record one state change (``fields``: round, node, cause, durations, data of :class:`Event`)."""
         self.event_count += 1
+        event = Event(now, kind, message, seq=self.event_count, **fields)
+        self.events.append(event)
+        self.stats.apply(event)
         self.version += 1
 
     def _finish(self, outcome: Outcome, now: float) -> None:
         self.outcome = outcome
-        self._event(now, "job_succeeded" if outcome.succeeded else "job_failed", outcome.summary)
+        training = self._training_stopped(now)
+        self.goodput.end(now)
+        self._event(
+            now, "job_succeeded" if outcome.succeeded else "job_failed", outcome.summary, data=training
+        )
 
-    def _open_round(self, now: float, why: str, *, counted: bool) -> None:
+    def _open_round(
+        self,
+        now: float,
+        why: str,
+        *,
+        counted: bool,
+        cause: str | None = None,
+        began_at: float | None = None,
+        stopped_at: float | None = None,
+    ) -> None:
+        """Open the next round. ``cause`` (a running world broke: a recovery begins) comes with when it
+        broke (``began_at``, where detection starts) and when training stopped (``stopped_at``, by default
+        the same moment)."""
         self._update_committed_step()  # the closing round's last word, before its reports are reset
-        expected = set(self.rdzv.current.members) if self.rdzv.current else set()
+        current = self.rdzv.current
+        running = self.rdzv.phase is Phase.ACTIVE and current is not None
+        cause = cause if running and not self._is_check_round(current.number) else None
+        expected = set(current.members) if current else set()
         expected &= set(self.nodes)
+        steps = [self.nodes[n].step for n in expected if self.nodes[n].step is not None]
+        steps_lost = max(0, max(steps) - (self.committed_step or 0)) if steps and cause else 0
         self._succeeded.clear()
         for node in self.nodes.values():
             node.ckpt_step = None  # checkpoint reports count per round; the committed step stays
         number = self.rdzv.open_round(now, expected)
+        data: dict = {}
+        if cause is not None:
+            began = now if began_at is None else min(began_at, now)
+            self.recovery.verdict(cause, began, now)
+            stopped = self._training_stopped(began if stopped_at is None else stopped_at)
+            data = {"steps_lost": steps_lost, **stopped}
         kind = "restart" if counted else "membership change"
         self._event(
             now,
             "round_opened",
             f"round {number} opened ({kind}: {why}); restarts {self.restart_count}"
             f"/{self.settings.max_restarts}",
+            round=number,
+            cause=cause,
+            data=data,
         )
 
     def _on_failure(self, node: NodeInfo, failure: WorkerFailure | None, now: float) -> None:
@@ -563,7 +792,18 @@ class Job:
         cause = (
             _describe_failure(node.node_id, failure) if failure else f"node {node.node_id} reported a failure"
         )
-        self._event(now, "worker_failed", f"round {round_number}: {cause}")
+        # When the agent saw it (its report says how long ago): detection ends now, at the verdict.
+        failed_at = now - failure.age_s if failure is not None and failure.age_s is not None else now
+        verdict = HANG if failure is not None and failure.kind == "hang" else WORKER_FAILURE
+        self._event(
+            now,
+            "worker_failed",
+            f"round {round_number}: {cause}",
+            round=round_number,
+            node=node.node_id,
+            cause=verdict,
+            durations={"detect": now - failed_at},
+        )
         if self._succeeded:
             self._finish(
                 Outcome(
@@ -584,7 +824,7 @@ class Job:
         self._pending_failure = _PendingFailure(
             round_number, frozenset(self.rdzv.current.members), cause, counted=not over_budget
         )
-        self._open_round(now, cause, counted=True)
+        self._open_round(now, cause, counted=True, cause=verdict, began_at=failed_at)
         self._advance(now)
 
     def _attribute_failure_to_loss(self, node_id: str, now: float) -> None:
@@ -594,6 +834,7 @@ class Job:
         if pending.counted:
             self.restart_count -= 1
         self._pending_failure = None
+        self.recovery.reattribute(NODE_LOSS)
         self._event(
             now,
             "failure_not_counted",
@@ -605,11 +846,18 @@ class Job:
         self._succeeded.add(node.node_id)
         # A finished node stops heartbeating; that is not death.
         self.liveness.forget(node.node_id)
-        self._event(now, "node_succeeded", f"node {node.node_id} finished round {self.rdzv.round}")
+        self._event(
+            now,
+            "node_succeeded",
+            f"node {node.node_id} finished round {self.rdzv.round}",
+            round=self.rdzv.round,
+            node=node.node_id,
+        )
         if set(self.rdzv.current.members) <= self._succeeded:
             self._finish(Outcome(succeeded=True, exit_code=0, summary="all workers succeeded"), now)
 
-    def _remove(self, node_id: str, why: str, kind: str, now: float) -> None:
+    def _remove(self, node_id: str, why: str, kind: str, now: float, began_at: float | None = None) -> None:
+        """Drop a node (``began_at``: when it was last seen alive, where detecting its loss started)."""
         self._update_committed_step()  # while the node's report still counts
         was_member = self.rdzv.is_member(node_id) and node_id not in self._succeeded
         self.liveness.forget(node_id)
@@ -618,7 +866,8 @@ class Job:
         if node is None:
             return
         self.removed_count += 1
-        self._event(now, kind, why)
+        began = now if began_at is None else began_at
+        self._event(now, kind, why, node=node_id, cause=NODE_LOSS, durations={"detect": now - began})
         self._attribute_failure_to_loss(node_id, now)
         if not was_member or self.outcome is not None:
             return
@@ -632,7 +881,7 @@ class Job:
                 now,
             )
             return
-        self._open_round(now, why, counted=False)
+        self._open_round(now, why, counted=False, cause=NODE_LOSS, began_at=began)
         self._advance(now)
 
     def _advance(self, now: float) -> None:
@@ -640,7 +889,15 @@ class Job:
         rdzv = self.rdzv
         # Once a member has finished, its agent is gone: the world can no longer be re-formed.
         if rdzv.phase is Phase.ACTIVE and not self._succeeded and rdzv.growth_due(now):
-            self._open_round(now, f"admitting waiting nodes {', '.join(rdzv.waiting)}", counted=False)
+            joined = [self.nodes[n].joined_at for n in rdzv.waiting if n in self.nodes]
+            self._open_round(
+                now,
+                f"admitting waiting nodes {', '.join(rdzv.waiting)}",
+                counted=False,
+                cause=SCALE_UP,
+                began_at=min((t for t in joined if t is not None), default=now),
+                stopped_at=now,  # the world trained until this verdict
+            )
         if rdzv.phase is Phase.OPEN:
             closed = rdzv.try_close(now)
             pending, self._pending_failure = self._pending_failure, None
@@ -663,11 +920,15 @@ class Job:
                     self.nodes[slot.node_id].state = NodeState.STARTING
                     self.nodes[slot.node_id].round = closed.number
                 waiting = f"; waiting: {', '.join(rdzv.waiting)}" if rdzv.waiting else ""
+                if not self._is_check_round(closed.number):  # a check round trains nothing
+                    self.recovery.round_closed(closed.number, closed.members, now)
                 self._event(
                     now,
                     "round_closed",
                     f"round {closed.number} closed: {len(closed.slots)} nodes, world size "
                     f"{closed.world_size}, members {', '.join(closed.members)}{waiting}",
+                    round=closed.number,
+                    data={"world_size": closed.world_size, "nnodes": len(closed.slots)},
                 )
                 return
             deadline = rdzv.join_deadline()

@@ -38,6 +38,14 @@ class Liveness:
     def knows(self, node_id: str) -> bool:
         return node_id in self._last_seen
 
+    def alive(self, node_id: str, now: float) -> bool:
+        """Heard from within the timeout (any time during a takeover's grace), and its connection not seen
+        to close since: an agent that another one may not replace."""
+        seen = self._last_seen.get(node_id)
+        if seen is None or node_id in self._suspect_until:
+            return False
+        return now < self._grace_until or now - seen <= self.timeout_s
+
     def age(self, node_id: str, now: float) -> float | None:
         seen = self._last_seen.get(node_id)
         return None if seen is None else max(0.0, now - seen)

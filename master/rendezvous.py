@@ -15,19 +15,69 @@ Lifecycle of the machine::
 * Growth: while ``ACTIVE``, waiting nodes that would enlarge the world (respecting ``max_nodes`` and
   ``node_unit``) make :meth:`growth_due` true once the last-call window has passed since growth first
   became possible (or at once when the world would reach ``max_nodes``); the job then opens a round.
+
+Every such choice is made in one place, :meth:`Rendezvous.decide`, which returns the action *and* a sentence
+saying why ("waiting for 1 more node until 12:00:03", "last call for node c until 12:00:03", "closed: 2
+nodes, world size 8 (every member came back)"), as torchft's lighthouse ``quorum_compute`` does: the
+sentence is what ``elastic-master status`` and the status page show, and what the master logs when it
+changes. Sentences name deadlines as wall-clock times, never as countdowns, so they change only when the
+decision does.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
 from elastic.job_settings import JobSettings
 
+#: Node ids a reason names before it says "and N more" (a 10,000-node job's reason stays one short line).
+NAMES_SHOWN = 3
+
+
+def wall_clock_text(t: float) -> str:
+    """``12:00:03``: the local wall-clock time of ``t``, a reading of the master's clock (which reads Unix
+    time: :mod:`master.clock`)."""
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def name_list(ids: Iterable[str], limit: int = NAMES_SHOWN) -> str:
+    """``a, b, c and 7 more``: at most ``limit`` ids, then how many more there are."""
+    ids = list(ids)
+    shown = ", ".join(ids[:limit])
+    return shown if len(ids) <= limit else f"{shown} and {len(ids) - limit} more"
+
+
+def _nodes(count: int) -> str:
+    return f"{count} node" if count == 1 else f"{count} nodes"
+
 
 class Phase(str, Enum):
     OPEN = "open"
     ACTIVE = "active"
+
+
+class Action(str, Enum):
+    """What the rendezvous does at a given time (:meth:`Rendezvous.decide`)."""
+
+    WAIT = "wait"  # OPEN: the round cannot close yet
+    CLOSE = "close"  # OPEN: the round closes now, with ``Decision.admitted`` nodes
+    TRAIN = "train"  # ACTIVE: the running round goes on
+    GROW = "grow"  # ACTIVE: waiting nodes are admitted now; the job opens a larger round
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A rendezvous decision and the sentence that explains it."""
+
+    action: Action
+    reason: str
+    #: Nodes the round closes with (CLOSE) or would grow to (GROW); 0 otherwise.
+    admitted: int = 0
+    #: When the decision changes by itself if nothing else happens (a deadline, in the ``now`` clock).
+    until: float | None = None
 
 
 @dataclass(frozen=True)
@@ -71,8 +121,11 @@ class ClosedRound:
 class Rendezvous:
     """Rounds, membership and rank assignment of one job."""
 
-    def __init__(self, settings: JobSettings) -> None:
+    def __init__(self, settings: JobSettings, clock_text: Callable[[float], str] = wall_clock_text) -> None:
         self.settings = settings
+        #: Renders a deadline (in the ``now`` clock) for reasons; tests with a fake clock pass their own.
+        self.clock_text = clock_text
+        self._close_why = ""  # why the current round closed, for the ACTIVE phase's reason
         self.phase = Phase.OPEN
         self.round = 1  # the round being formed (OPEN) or running (ACTIVE)
         self.opened_at: float | None = None
@@ -123,37 +176,24 @@ class Rendezvous:
         return self.round
 
     def try_close(self, now: float) -> ClosedRound | None:
-        """Close the open round if its conditions hold; returns the closed round or None."""
+        """Close the open round if its conditions hold (:meth:`decide`); returns the closed round or None."""
         if self.phase is not Phase.OPEN:
             return None
-        s = self.settings
-        joined = len(self._joined)
-        admitted = self._admissible(joined)
-        if admitted < s.min_nodes or admitted == 0:
+        decision = self.decide(now)
+        if decision.action is not Action.CLOSE:
             return None
-        full = joined >= s.max_nodes
-        all_back = bool(self._expected) and self._expected <= self._joined.keys()
-        # Live members that are still stopping their workers are waited for (a restart must not shrink
-        # the world), but only up to the rejoin timeout: a member that never comes back is left out.
-        members_pending = bool(self._expected - self._joined.keys()) and (
-            self.opened_at is None or now < self.opened_at + s.rejoin_timeout_s
-        )
-        last_call_over = (
-            self._min_reached_at is not None
-            and now >= self._min_reached_at + s.last_call_s
-            and not members_pending
-        )
-        if not (full or all_back or last_call_over):
-            return None
-        return self._close(admitted, now)
+        self._close_why = decision.reason.split(": ", 1)[1]  # "closing with 2 nodes: <why>"
+        return self._close(decision.admitted, now)
 
     def growth_due(self, now: float) -> bool:
         """True when waiting nodes should be admitted into a new, larger round now."""
-        if self.phase is not Phase.ACTIVE or self.current is None or self._growth_since is None:
-            return False
-        members = len(self.current.slots)
-        target = self._admissible(members + len(self._joined))
-        return target >= self.settings.max_nodes or now >= self._growth_since + self.settings.last_call_s
+        return self.phase is Phase.ACTIVE and self.decide(now).action is Action.GROW
+
+    def decide(self, now: float) -> Decision:
+        """What the rendezvous does at ``now``, and why; changes nothing (the transitions act on it)."""
+        if self.phase is Phase.OPEN:
+            return self._decide_open(now)
+        return self._decide_active(now)
 
     def join_deadline(self) -> float | None:
         """When the open round times out if it cannot close (None while ACTIVE)."""
@@ -203,8 +243,92 @@ class Rendezvous:
         self.opened_at = now if self.phase is Phase.OPEN else None
         self._min_reached_at = None
         self._growth_since = None
+        self._close_why = ""  # not stored: the ACTIVE reason just omits it after a takeover
         self._track_min(now)
         self._track_growth(now)
+
+    # -- decisions --------------------------------------------------------------------------------
+    def _decide_open(self, now: float) -> Decision:
+        s = self.settings
+        joined = len(self._joined)
+        admitted = self._admissible(joined)
+        if admitted < s.min_nodes or admitted == 0:
+            target = -(-s.min_nodes // s.node_unit) * s.node_unit  # min_nodes rounded up to the unit
+            unit = f" in units of {s.node_unit}" if s.node_unit > 1 else ""
+            pending = sorted(n for n in self._expected if n not in self._joined)
+            back = f"; expected back: {name_list(pending)}" if pending else ""
+            deadline = self.join_deadline()
+            return Decision(
+                Action.WAIT,
+                f"waiting for {max(target - joined, 1)} more {'node' if target - joined == 1 else 'nodes'} "
+                f"({joined} joined, {s.min_nodes} needed{unit}{back})" + self._until(deadline),
+                until=deadline,
+            )
+        if joined >= s.max_nodes:
+            return _closing(admitted, f"the maximum of {_nodes(s.max_nodes)} joined")
+        pending = [n for n in self._expected if n not in self._joined]
+        if self._expected and not pending:
+            return _closing(admitted, "every member came back")
+        # Live members that are still stopping their workers are waited for (a restart must not shrink
+        # the world), but only up to the rejoin timeout: a member that never comes back is left out.
+        rejoin_deadline = None if self.opened_at is None else self.opened_at + s.rejoin_timeout_s
+        if pending and (rejoin_deadline is None or now < rejoin_deadline):
+            return Decision(
+                Action.WAIT,
+                f"waiting for {'member' if len(pending) == 1 else 'members'} {name_list(sorted(pending))} "
+                f"to rejoin" + self._until(rejoin_deadline),
+                until=rejoin_deadline,
+            )
+        left_out = f"; left out {name_list(sorted(pending))} (not back in time)" if pending else ""
+        last_call_end = None if self._min_reached_at is None else self._min_reached_at + s.last_call_s
+        if last_call_end is not None and now >= last_call_end:
+            return _closing(admitted, f"the last call ended{left_out}")
+        return Decision(
+            Action.WAIT,
+            f"last call: {joined} of at most {s.max_nodes} nodes joined, more may join"
+            + self._until(last_call_end)
+            + left_out,
+            admitted,
+            until=last_call_end,
+        )
+
+    def _decide_active(self, now: float) -> Decision:
+        current = self.current
+        if current is None:  # not reached: ACTIVE always has a closed round
+            return Decision(Action.TRAIN, "training")
+        members = len(current.slots)
+        why = f" ({self._close_why})" if self._close_why else ""
+        head = f"closed: {_nodes(members)}, world size {current.world_size}{why}"
+        waiting = list(self._joined)
+        if self._growth_since is None:
+            if not waiting:
+                return Decision(Action.TRAIN, head)
+            s = self.settings
+            blocked = (
+                f"the maximum of {_nodes(s.max_nodes)} is reached"
+                if members >= s.max_nodes
+                else f"a larger round needs a multiple of {s.node_unit} nodes"
+            )
+            verb = "waits" if len(waiting) == 1 else "wait"
+            return Decision(Action.TRAIN, f"{head}; {_names_of(waiting)} {verb}: {blocked}")
+        target = self._admissible(members + len(waiting))
+        names = _names_of(waiting)
+        if target >= self.settings.max_nodes:
+            return Decision(
+                Action.GROW, f"admitting {names}: a round of {_nodes(target)} (the maximum)", target
+            )
+        last_call_end = self._growth_since + self.settings.last_call_s
+        if now >= last_call_end:
+            return Decision(Action.GROW, f"admitting {names}: the last call ended", target)
+        return Decision(
+            Action.TRAIN,
+            f"{head}; last call for {names}" + self._until(last_call_end) + f" (then {_nodes(target)})",
+            target,
+            until=last_call_end,
+        )
+
+    def _until(self, deadline: float | None) -> str:
+        return "" if deadline is None else f" until {self.clock_text(deadline)}"
 
     # -- internals --------------------------------------------------------------------------------
     def _admissible(self, count: int) -> int:
@@ -252,3 +376,12 @@ class Rendezvous:
         self._growth_since = None
         self._track_growth(now)
         return self.current
+
+
+def _closing(admitted: int, why: str) -> Decision:
+    return Decision(Action.CLOSE, f"closing with {_nodes(admitted)}: {why}", admitted)
+
+
+def _names_of(ids: list[str]) -> str:
+    """``node c`` or ``nodes c, d`` (at most :data:`NAMES_SHOWN` ids)."""
+    return f"{'node' if len(ids) == 1 else 'nodes'} {name_list(ids)}"

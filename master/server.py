@@ -19,14 +19,17 @@ from typing import Annotated, TypeVar
 
 import uvicorn
 from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from elastic.protocol import (
     API_PREFIX,
     JOB_HEADER,
     LONG_POLL_CAP_S,
     MAX_BODY_BYTES,
+    NODE_SECRET_HEADER,
     CommandReply,
     ErrorBody,
     HeartbeatRequest,
@@ -39,12 +42,29 @@ from elastic.protocol import (
 )
 from elastic.text import printable
 from elastic.tls import server_context
+from master.clock import unix_monotonic
+from master.event_log import EventLog
 from master.job import Job, JobError
+from master.master_health import MasterHealth
+from master.metrics import MetricsPortOnly, add_metrics_route
+from master.openapi import install as install_openapi
 from master.settings import ServerSettings
 from master.store import MemoryStore, StateStore, StoreError
+from master.ui import install_ui
+from master.wait_reason import ReasonLog
 
 log = logging.getLogger("elastic.master")
 T = TypeVar("T")
+
+#: The secret of the node incarnation a request acts for (master.credentials); the job checks it. At module
+#: level: FastAPI resolves the routes' (postponed) annotations in the module's namespace.
+NodeSecret = Annotated[
+    str | None,
+    Header(
+        alias=NODE_SECRET_HEADER,
+        description="The node's secret from its join reply; required for a node that has joined.",
+    ),
+]
 
 
 class ApiError(Exception):
@@ -84,11 +104,17 @@ class MasterService:
     def __init__(
         self,
         settings: ServerSettings,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
         store: StateStore | None = None,
     ) -> None:
         self.settings = settings
-        self.clock = clock
+        self.clock = clock or unix_monotonic()  # event times read as Unix times (master.clock)
+        self.health = MasterHealth()  # this process's own figures, for /metrics
+        self.event_log = (
+            EventLog(settings.event_log, settings.event_log_max_bytes, settings.event_log_backups)
+            if settings.event_log
+            else None
+        )
         self.store = store or MemoryStore()
         self.master_id = uuid.uuid4().hex[:12]
         self.job: Job | None = None  # None while standing by
@@ -98,6 +124,9 @@ class MasterService:
         self._seen_poll_key: tuple | None = None
         self._dirty: asyncio.Event | None = None
         self._lost: asyncio.Event | None = None
+        self._saved_version = -1  # the current job's version that the store holds (see stored())
+        self._saved: asyncio.Event | None = None  # set (and replaced) after each save
+        self._reasons = ReasonLog(log)  # the round's waiting reason, logged when it changes
 
     @property
     def notifier(self) -> Notifier:
@@ -136,6 +165,7 @@ class MasterService:
         if self.job is not None and self.store.leading:
             self.job.tick(self.clock())
             self.changed()
+            self._reasons.note(self.job, self.clock())
 
     async def run(self) -> None:
         """Lead the job whenever elected; tick and persist while leading; stand by otherwise."""
@@ -159,6 +189,9 @@ class MasterService:
             )
             self._logged_events = self.job.event_count - 1 if snapshot else 0
             self._seen_poll_key = None
+            if self.event_log is not None:
+                self.event_log.resume()  # continue the file past what a previous leader wrote
+            self._saved_version = -1
             log.info(
                 "master %s leads job %s (store %s)",
                 self.master_id,
@@ -189,13 +222,42 @@ class MasterService:
             self._dirty.clear()
             if self.job is None:
                 continue
+            job, version = self.job, self.job.version  # the version of the snapshot taken just below
+            snapshot, began = job.snapshot(), time.perf_counter()
             try:
-                await self.store.save(self.job.snapshot())
+                await self.store.save(snapshot)
             except StoreError as exc:
                 log.error(
                     "cannot persist job state (%s); stepping down so that no master serves stale state", exc
                 )
                 self._lost.set()
+                continue
+            self.health.store_write(time.perf_counter() - began)
+            if self.event_log is not None:  # only events the store holds: a successor never repeats one
+                self.event_log.write(e for e in job.events if e.seq <= snapshot["event_count"])
+            if job is self.job:
+                self._saved_version = max(self._saved_version, version)
+            self._saved_ticket().set()
+            self._saved = None
+
+    def _saved_ticket(self) -> asyncio.Event:
+        if self._saved is None:  # created lazily inside the running loop
+            self._saved = asyncio.Event()
+        return self._saved
+
+    async def stored(self) -> None:
+        """Return once the store holds the job state as it is now. A reply that reveals durable state a
+        client keeps (a node's new secret) waits for this, so that a master taking over knows what the
+        reply said; a 503 (the client asks another master) when this master stops leading first."""
+        job = self.leading_job()
+        if not self.store.durable:
+            return
+        target = job.version
+        while self._saved_version < target:
+            if self.job is not job or not self.store.leading:
+                why = f"master {self.master_id} stopped leading; ask another master"
+                raise ApiError(503, "not_leader", why)
+            await _wait_for(self._saved_ticket(), 1.0)  # bounded: a lost leadership sets no ticket
 
     async def long_poll(
         self,
@@ -208,6 +270,7 @@ class MasterService:
         ``request``, a client that disconnects ends the poll at once and ``on_client_gone`` is called."""
         deadline = self.clock() + min(max(timeout, 0.0), LONG_POLL_CAP_S)
         gone = asyncio.ensure_future(_disconnected(request)) if request is not None else None
+        self.health.long_polls_open += 1
         try:
             while True:
                 ticket = self.notifier.ticket()  # before the check: a change after it sets the ticket
@@ -223,6 +286,7 @@ class MasterService:
                         on_client_gone()
                     return None
         finally:
+            self.health.long_polls_open -= 1
             if gone is not None:
                 gone.cancel()
 
@@ -376,6 +440,13 @@ def create_app(service: MasterService) -> FastAPI:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(422, "invalid_request", _describe_validation(exc))
 
+    @app.exception_handler(HTTPException)
+    async def _undecodable(request: Request, exc: HTTPException) -> JSONResponse:
+        # FastAPI answers a JSON body that is not UTF-8 with a bare 400: it is malformed JSON like any other.
+        if exc.status_code == 400:
+            return _error(422, "invalid_request", "body is not valid JSON: it is not UTF-8 text")
+        return await http_exception_handler(request, exc)  # unknown path or method: FastAPI's answer
+
     job = service.leading_job
 
     def mutate(action: Callable[[], T]) -> T:
@@ -384,18 +455,20 @@ def create_app(service: MasterService) -> FastAPI:
         finally:
             service.changed()
 
-    def lost(node_id: str) -> None:
+    def lost(node_id: str, node_secret: str | None) -> None:
         """A node's long-poll connection closed before the answer (see Job.connection_lost)."""
         if service.job is not None and service.store.leading:
-            mutate(lambda: service.job.connection_lost(node_id, service.clock()))
+            mutate(lambda: service.job.connection_lost(node_id, service.clock(), node_secret))
 
     @app.get(f"{API_PREFIX}/info")
     async def info() -> JobInfo:
         return job().info()
 
     @app.post(f"{API_PREFIX}/join")
-    async def join(req: JoinRequest) -> JoinReply:
-        return mutate(lambda: job().join(req, service.clock()))
+    async def join(req: JoinRequest, node_secret: NodeSecret = None) -> JoinReply:
+        reply = mutate(lambda: job().join(req, service.clock(), node_secret))
+        await service.stored()  # the node's credential is durable before the node learns it
+        return reply
 
     @app.get(f"{API_PREFIX}/round")
     async def next_round(
@@ -403,15 +476,20 @@ def create_app(service: MasterService) -> FastAPI:
         node_id: Annotated[str, Query(min_length=1, max_length=128)],
         after: Annotated[int, Query(ge=0)] = 0,
         timeout: Annotated[float, Query(ge=0, le=LONG_POLL_CAP_S)] = 10.0,
+        node_secret: NodeSecret = None,
     ) -> RoundReply:
         reply = await service.long_poll(
-            lambda: job().next_round(node_id, after), timeout, request, lambda: lost(node_id)
+            lambda: job().next_round(node_id, after, node_secret),
+            timeout,
+            request,
+            lambda: lost(node_id, node_secret),
         )
         return reply or RoundReply(status="waiting", round=job().rdzv.round)
 
     @app.post(f"{API_PREFIX}/heartbeat")
-    async def heartbeat(req: HeartbeatRequest) -> CommandReply:
-        return mutate(lambda: job().heartbeat(req, service.clock()))
+    async def heartbeat(req: HeartbeatRequest, node_secret: NodeSecret = None) -> CommandReply:
+        service.health.heartbeat(service.clock())
+        return mutate(lambda: job().heartbeat(req, service.clock(), node_secret))
 
     @app.get(f"{API_PREFIX}/watch")
     async def watch(
@@ -419,33 +497,41 @@ def create_app(service: MasterService) -> FastAPI:
         node_id: Annotated[str, Query(min_length=1, max_length=128)],
         round: Annotated[int, Query(ge=0)],
         timeout: Annotated[float, Query(ge=0, le=LONG_POLL_CAP_S)] = 10.0,
+        node_secret: NodeSecret = None,
     ) -> CommandReply:
         """Long-poll: returns as soon as the node must do something other than continue."""
 
         def probe() -> CommandReply | None:
-            reply = job().watch(node_id, round)
+            reply = job().watch(node_id, round, node_secret)
             return None if reply.command.value == "continue" else reply
 
-        reply = await service.long_poll(probe, timeout, request, lambda: lost(node_id))
-        return reply or job().watch(node_id, round)
+        reply = await service.long_poll(probe, timeout, request, lambda: lost(node_id, node_secret))
+        return reply or job().watch(node_id, round, node_secret)
 
     @app.post(f"{API_PREFIX}/leave")
-    async def leave(req: LeaveRequest) -> CommandReply:
-        mutate(lambda: job().leave(req.node_id, req.reason, service.clock()))
+    async def leave(req: LeaveRequest, node_secret: NodeSecret = None) -> CommandReply:
+        mutate(lambda: job().leave(req.node_id, req.reason, service.clock(), node_secret))
         return job().command_for(req.node_id, 0)
 
     @app.get(f"{API_PREFIX}/status")
     async def status() -> JobStatus:
         return job().status(service.clock())
 
+    add_metrics_route(app, service, bearer_token)  # GET /metrics, behind the token (master/metrics.py)
+    install_ui(app, service)  # GET /ui: the status page, behind a login form (master/ui.py)
+    if service.settings.metrics_port is not None:
+        app.add_middleware(MetricsPortOnly, port=service.settings.metrics_port)
     app.add_middleware(Gatekeeper, token=token, job_id=job_id)
+    install_openapi(app)  # every status each route can return, the bearer scheme (master/openapi.py)
     return app
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the listening socket up front so that a busy port fails fast and port 0 is resolved."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on connections whose socket says TCP. Without
+    # it a reply's body waits for the ACK of its headers (Nagle vs delayed ACK): ~40 ms per request.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -479,10 +565,16 @@ def _uvicorn_server(app: FastAPI, settings: ServerSettings) -> uvicorn.Server:
     return uvicorn.Server(config)
 
 
-def serve_forever(settings: ServerSettings, sock: socket.socket, store: StateStore | None = None) -> None:
-    """Run the master in this (main) thread until SIGINT/SIGTERM."""
+def serve_forever(
+    settings: ServerSettings,
+    sock: socket.socket,
+    store: StateStore | None = None,
+    metrics_sock: socket.socket | None = None,
+) -> None:
+    """Run the master in this (main) thread until SIGINT/SIGTERM; ``metrics_sock``: the bound
+    ``--metrics-port`` listener (it serves ``/metrics`` only)."""
     server = _uvicorn_server(create_app(MasterService(settings, store=store)), settings)
-    server.run(sockets=[sock])
+    server.run(sockets=[sock] + ([metrics_sock] if metrics_sock is not None else []))
 
 
 class EmbeddedMaster:

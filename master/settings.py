@@ -20,4 +20,10 @@ class ServerSettings:
     #: PEM certificate (chain) and unencrypted key to serve https with; None: plain http.
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: ``--event-log``: every job event as a JSON line (master.event_log); None: no event log.
+    event_log: str | None = None
+    event_log_max_bytes: int = 64 * 1024 * 1024
+    event_log_backups: int = 3
+    #: ``--metrics-port``: a second listener (same host, token and TLS) serving only ``/metrics``.
+    metrics_port: int | None = None
     extra: dict[str, str] = field(default_factory=dict)

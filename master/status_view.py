@@ -9,7 +9,8 @@ COLUMNS = ("NODE", "RANK", "STATE", "HEARTBEAT AGE", "RESTARTS", "ROUND", "WORLD
 
 
 def render_status(job: JobStatus) -> str:
-    """The job headline, then one row per node, then the node-check figures and persist errors."""
+    """The job headline, then one row per node, then the node-check figures and persist errors, then the
+    round's waiting reason."""
     head = (
         f"job {job.job_id}: {job.phase}, round {job.round}, {job.nnodes} node(s), world size "
         f"{job.world_size}, restarts {job.restart_count}/{job.max_restarts}"
@@ -53,8 +54,9 @@ def render_status(job: JobStatus) -> str:
         for node in sorted(job.nodes, key=lambda n: n.node_id)
         if node.persist_error
     ]
+    reason = [f"round {job.round}: {job.waiting_reason}"] if job.waiting_reason else []
     # Summaries, errors and verdicts quote what nodes and workers sent: one line each, no terminal escapes.
-    return "\n".join(printable(line) for line in [head, *lines, *checks, *persist])
+    return "\n".join(printable(line) for line in [head, *lines, *checks, *persist, *reason])
 
 
 def _or_dash(value: int | None) -> str:

@@ -13,6 +13,11 @@ set -euo pipefail
 # Add a line here when a test starts to need a system tool (tests/tools.py: require_tool()).
 TOOLS="
 unshare util-linux
+prometheus prometheus
+promtool prometheus
+tmux tmux
+chromium chromium
+chromedriver chromium-driver
 "
 
 missing_packages=()

@@ -4,6 +4,8 @@
         elastic.load(CKPT_DIR); writes OUT_DIR/rank<R>.json = {"step": S or None, "value": state["value"]}
     python tests/ckpt_worker.py sharded-save OUT_DIR CKPT_DIR STEP
         saves a DTensor state sharded over the world (elastic.save_sharded)
+    python tests/ckpt_worker.py sharded-steps OUT_DIR CKPT_DIR|- LAST
+        elastic.save_sharded of steps 1..LAST, the tensors times the step (flash saves under ELASTIC_SHM_DIR)
     python tests/ckpt_worker.py sharded-load OUT_DIR CKPT_DIR
         loads it into state sharded for this world (elastic.load_sharded); rank 0 torch.saves the full
         tensors to OUT_DIR/full.pt and every rank writes OUT_DIR/rank<R>.json = {"step": S}
@@ -26,12 +28,12 @@ import elastic
 WATCHDOG_S = 200
 
 
-def sharded_state(world: int, zeros: bool) -> dict:
+def sharded_state(world: int, zeros: bool, scale: float = 1.0) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    tensors = expected_tensors()
+    tensors = {name: t * scale for name, t in expected_tensors().items()}
     if zeros:
         tensors = {name: torch.zeros_like(t) for name, t in tensors.items()}
     return {
@@ -73,9 +75,13 @@ def main() -> None:
             write_json(out / f"rank{rank}.json", {"step": step, "value": value})
         elif mode == "sharded-save":
             elastic.save_sharded(sharded_state(world, zeros=False), int(sys.argv[4]), ckpt_dir)
+        elif mode == "sharded-steps":
+            for step in range(1, int(sys.argv[4]) + 1):
+                state = sharded_state(world, zeros=False, scale=float(step))
+                elastic.save_sharded(state, step, None if ckpt_dir == "-" else ckpt_dir)
         elif mode == "sharded-load":
             state = sharded_state(world, zeros=True)
-            step = elastic.load_sharded(state, ckpt_dir=ckpt_dir)
+            step = elastic.load_sharded(state, ckpt_dir=None if ckpt_dir == "-" else ckpt_dir)
             full = {name: t.full_tensor() for name, t in state["model"].items()}  # collectives: all ranks
             if rank == 0:
                 torch.save({**full, "rep": state["rep"], "meta": state["meta"]}, out / "full.pt")

@@ -12,7 +12,7 @@ from e2e import base_env
 
 HERE = Path(__file__).resolve().parent
 
-PROBE = '''
+PROBE = """
 from tools import require_tool
 
 def test_needs_a_missing_tool():
@@ -20,7 +20,7 @@ def test_needs_a_missing_tool():
 
 def test_needs_a_present_tool():
     assert require_tool("sh")
-'''
+"""
 
 
 def run_probe(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess[str]:

@@ -306,30 +306,30 @@ def heartbeat(node: str, round_: int, **fields: object) -> HeartbeatRequest:
 def test_the_master_shows_persisted_step_and_persist_errors_with_one_event_per_change() -> None:
     settings = JobSettings(job_id="j", min_nodes=1, max_nodes=1, last_call_s=0.0)
     job = Job(settings, now=0.0)
-    job.join(JoinRequest(node_id="a", host="h", nproc=1, store_port=2000, min_nodes=1, max_nodes=1), 0.0)
+    join = JoinRequest(node_id="a", host="h", nproc=1, store_port=2000, min_nodes=1, max_nodes=1)
+    secret = job.join(join, 0.0).node_secret
     job.tick(0.0)
     round_ = job.rdzv.round
-    job.heartbeat(heartbeat("a", round_, persisted_step=4), 1.0)
+    job.heartbeat(heartbeat("a", round_, persisted_step=4), 1.0, secret)
     status = job.status(1.0)
     node = status.nodes[0]
     assert (status.persisted_step, node.persisted_step, node.persist_error) == (4, 4, "")
 
     failing = "step 5 to /ckpt: [Errno 28] No space left on device"
     for now, step in ((2.0, 5), (3.0, 6)):  # fails at every heartbeat: one event, not one per step
-        job.heartbeat(
-            heartbeat("a", round_, persisted_step=4, persist_error=failing.replace("5", str(step))), now
-        )
+        error = failing.replace("5", str(step))
+        job.heartbeat(heartbeat("a", round_, persisted_step=4, persist_error=error), now, secret)
     assert [e.message for e in job.events if e.kind == "persist_failed"] == [
         "node a: checkpoint persist failed: " + failing
     ]
     table = render_status(job.status(3.0))
     assert "; checkpoint step -, on disk 4" in table.splitlines()[0]
-    assert table.splitlines()[-1] == (
+    assert table.splitlines()[-2] == (  # the last line: the round's waiting reason
         "persist error on node a (on disk: step 4): step 6 to /ckpt: [Errno 28] No space left on device"
     )
     assert "persist" not in json.dumps(job.snapshot()["nodes"]), "soft state: never stored"
 
-    job.heartbeat(heartbeat("a", round_, persisted_step=7), 4.0)
+    job.heartbeat(heartbeat("a", round_, persisted_step=7), 4.0, secret)
     assert [e.kind for e in job.events][-1] == "persist_recovered"
     assert job.status(4.0).nodes[0].persist_error == ""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import selectors
 import signal
@@ -30,12 +31,15 @@ from elastic.client import MasterClient
 from elastic.job_settings import JobSettings
 from elastic.protocol import (
     JOB_HEADER,
+    NODE_SECRET_HEADER,
     Command,
     HeartbeatRequest,
+    JoinReply,
     JoinRequest,
     NodeState,
     WorkerFailure,
 )
+from master.credentials import hash_secret
 from master.etcd_store import EtcdStore
 from master.server import EmbeddedMaster
 from master.settings import ServerSettings
@@ -255,8 +259,13 @@ def read_line(proc: subprocess.Popen, timeout: float) -> str:
 def test_standby_is_elected_when_the_leader_dies_without_resigning(etcd_endpoint: str):
     """A SIGKILLed leader revokes nothing: its lease expires after the TTL and the standby takes over."""
     job = new_job()
-    proc = subprocess.Popen([sys.executable, "-c", LEADER_SCRIPT, etcd_endpoint, job, str(TTL)],
-                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LEADER_SCRIPT, etcd_endpoint, job, str(TTL)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert read_line(proc, 20.0) == "LEADING"
 
@@ -436,8 +445,12 @@ def test_check_store_fails_fast_for_an_unreachable_etcd_and_passes_for_a_live_on
 # -- two masters on one etcd ------------------------------------------------------------------------------
 def info_status(master: EmbeddedMaster, job: str) -> tuple[int, str | None]:
     try:
-        response = httpx.get(f"http://{master.address}/v1/info", timeout=5.0, trust_env=False,
-                             headers={"Authorization": f"Bearer {TOKEN}", JOB_HEADER: job})
+        response = httpx.get(
+            f"http://{master.address}/v1/info",
+            timeout=5.0,
+            trust_env=False,
+            headers={"Authorization": f"Bearer {TOKEN}", JOB_HEADER: job},
+        )
     except httpx.TransportError:
         return 0, None
     error = response.json().get("error") if response.status_code != 200 else None
@@ -445,8 +458,12 @@ def info_status(master: EmbeddedMaster, job: str) -> tuple[int, str | None]:
 
 
 def status_of(master: EmbeddedMaster, job: str) -> dict[str, Any]:
-    response = httpx.get(f"http://{master.address}/v1/status", timeout=5.0, trust_env=False,
-                         headers={"Authorization": f"Bearer {TOKEN}", JOB_HEADER: job})
+    response = httpx.get(
+        f"http://{master.address}/v1/status",
+        timeout=5.0,
+        trust_env=False,
+        headers={"Authorization": f"Bearer {TOKEN}", JOB_HEADER: job},
+    )
     assert response.status_code == 200, response.text
     data = response.json()
     for row in data["nodes"]:
@@ -463,13 +480,22 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def join(client: MasterClient, node_id: str) -> int:
+def join_reply(client: MasterClient, node_id: str) -> JoinReply:
     req = JoinRequest(node_id=node_id, host="127.0.0.1", nproc=1, store_port=29501, min_nodes=2, max_nodes=2)
-    return client.join(req).round
+    return client.join(req)
 
 
-def beat(client: MasterClient, node_id: str, round_: int, state: NodeState = NodeState.RUNNING,
-         failure: WorkerFailure | None = None):
+def join(client: MasterClient, node_id: str) -> int:
+    return join_reply(client, node_id).round
+
+
+def beat(
+    client: MasterClient,
+    node_id: str,
+    round_: int,
+    state: NodeState = NodeState.RUNNING,
+    failure: WorkerFailure | None = None,
+):
     return client.heartbeat(HeartbeatRequest(node_id=node_id, round=round_, state=state, failure=failure))
 
 
@@ -477,23 +503,40 @@ def beat(client: MasterClient, node_id: str, round_: int, state: NodeState = Nod
 def test_two_masters_on_one_etcd_one_leads_and_the_standby_takes_over_with_the_state(etcd_endpoint: str):
     job = new_job()
     settings = ServerSettings(
-        job=JobSettings(job_id=job, min_nodes=2, max_nodes=2, last_call_s=0.5, heartbeat_interval_s=1.0,
-                        heartbeat_timeout_s=30.0, max_restarts=5),
-        token=TOKEN, host="127.0.0.1", port=0, store_url=f"etcd://{etcd_endpoint}")
-    masters = [EmbeddedMaster(settings, store=EtcdStore(etcd_endpoint, job, lease_ttl_s=TTL))
-               for _ in range(2)]
+        job=JobSettings(
+            job_id=job,
+            min_nodes=2,
+            max_nodes=2,
+            last_call_s=0.5,
+            heartbeat_interval_s=1.0,
+            heartbeat_timeout_s=30.0,
+            max_restarts=5,
+        ),
+        token=TOKEN,
+        host="127.0.0.1",
+        port=0,
+        store_url=f"etcd://{etcd_endpoint}",
+    )
+    masters = [
+        EmbeddedMaster(settings, store=EtcdStore(etcd_endpoint, job, lease_ttl_s=TTL)) for _ in range(2)
+    ]
     client = MasterClient([m.address for m in masters], job, TOKEN, request_timeout=10.0)
     try:
         for master in masters:
             master.start()
-        wait_for(lambda: sorted(info_status(m, job)[0] for m in masters) == [200, 503], 10.0,
-                 "one master to lead and the other to stand by")
+        wait_for(
+            lambda: sorted(info_status(m, job)[0] for m in masters) == [200, 503],
+            10.0,
+            "one master to lead and the other to stand by",
+        )
         leader, standby = sorted(masters, key=lambda m: info_status(m, job)[0] != 200)
         assert info_status(standby, job) == (503, "not_leader")
         assert client.info().master_id == leader.service.master_id
 
         # Round 1, a worker failure (a restart), round 2 with both nodes running.
-        assert (join(client, "a"), join(client, "b")) == (1, 1)
+        joined = {node_id: join_reply(client, node_id) for node_id in ("a", "b")}
+        assert [reply.round for reply in joined.values()] == [1, 1]
+        secrets = {node_id: reply.node_secret for node_id, reply in joined.items()}
         assert client.next_round("a", 0, 5.0).status == "assigned"
         assert beat(client, "a", 1).command is Command.CONTINUE
         assert beat(client, "b", 1).command is Command.CONTINUE
@@ -510,10 +553,20 @@ def test_two_masters_on_one_etcd_one_leads_and_the_standby_takes_over_with_the_s
 
         def persisted() -> bool:
             snap = run(EtcdStore(etcd_endpoint, job).load(), limit=10.0)
-            return bool(snap) and snap["rendezvous"]["round"] == 2 and snap["restart_count"] == 1 and {
-                n["node_id"]: n["state"] for n in snap["nodes"]} == {"a": "running", "b": "running"}
+            return (
+                bool(snap)
+                and snap["rendezvous"]["round"] == 2
+                and snap["restart_count"] == 1
+                and {n["node_id"]: n["state"] for n in snap["nodes"]} == {"a": "running", "b": "running"}
+            )
 
         wait_for(persisted, 10.0, "the leader to persist the job state in etcd")
+        # The nodes' credentials are durable: their hashes, never the secrets themselves.
+        stored = run(EtcdStore(etcd_endpoint, job).load(), limit=10.0)
+        assert {n["node_id"]: n["secret_hash"] for n in stored["nodes"]} == {
+            node_id: hash_secret(secret) for node_id, secret in secrets.items()
+        }
+        assert not [secret for secret in secrets.values() if secret in json.dumps(stored)]
 
         leader.stop()
         took = wait_for(lambda: info_status(standby, job)[0] == 200, 5.0, "the standby to take over")
@@ -523,10 +576,16 @@ def test_two_masters_on_one_etcd_one_leads_and_the_standby_takes_over_with_the_s
         for key in ("round", "restart_count", "phase", "world_size", "nnodes", "nodes"):
             assert after[key] == before[key], key
 
-        # The agents' client moves to the new leader by itself; the round goes on, nothing is restarted.
+        # The agents' client moves to the new leader by itself; the round goes on, nothing is restarted:
+        # the new leader accepts the nodes' secrets, and only them.
         reply = beat(client, "a", 2)
         assert (reply.command, reply.round) == (Command.CONTINUE, 2)
         assert reply.master_id == standby.service.master_id
+        forged = httpx.post(f"http://{standby.address}/v1/heartbeat", timeout=5.0, trust_env=False,
+                            json={"node_id": "a", "round": 2, "state": "failed"},
+                            headers={"Authorization": f"Bearer {TOKEN}", JOB_HEADER: job,
+                                     NODE_SECRET_HEADER: secrets["b"]})  # fmt: skip
+        assert forged.status_code == 403 and forged.json()["error"] == "bad_node_secret", forged.text
         assert client.status().restart_count == 1
     finally:
         client.close()

@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import job_calls as calls
 import psutil
 import pytest
 
@@ -264,7 +265,8 @@ def make_job(**overrides) -> Job:
 
 def join_all(job: Job, now: float, *node_ids: str) -> None:
     for i, node_id in enumerate(node_ids):
-        job.join(
+        calls.join(
+            job,
             JoinRequest(
                 node_id=node_id,
                 host=f"10.0.0.{i + 1}",
@@ -282,7 +284,7 @@ def join_all(job: Job, now: float, *node_ids: str) -> None:
 def beat(job: Job, node_id: str, now: float, **fields):
     values: dict = dict(node_id=node_id, round=job.rdzv.round, state=NodeState.RUNNING)
     values.update(fields)
-    return job.heartbeat(HeartbeatRequest(**values), now)
+    return calls.heartbeat(job, HeartbeatRequest(**values), now)
 
 
 def progress(step_time: float, compute: float | None = None) -> list[WorkerProgress]:
@@ -355,7 +357,7 @@ def test_judge_flags_a_node_slower_than_the_factor():
 def run_check_round(job: Job, now: float, results: dict[str, NodeCheckResult]) -> dict:
     replies = {}
     for node_id in results:
-        assert job.next_round(node_id, 0).assignment.check  # the agents learn their check round
+        assert calls.next_round(job, node_id, 0).assignment.check  # the agents learn their check round
     for node_id, result in results.items():
         replies[node_id] = beat(job, node_id, now, node_check=result)
     return replies
@@ -364,7 +366,7 @@ def run_check_round(job: Job, now: float, results: dict[str, NodeCheckResult]) -
 def test_the_first_round_is_a_check_round_and_excluded_nodes_are_told_and_left_out():
     job = make_job(node_check="on")
     join_all(job, 0.0, "a", "b", "c")
-    reply = job.next_round("a", 0)
+    reply = calls.next_round(job, "a", 0)
     assert reply.assignment.check is True and reply.assignment.round == 1
 
     replies = run_check_round(
@@ -376,13 +378,15 @@ def test_the_first_round_is_a_check_round_and_excluded_nodes_are_told_and_left_o
     assert replies["c"].command is Command.EXCLUDE
     assert "node c was excluded from the job by the node check" in replies["c"].outcome.summary
     assert replies["c"].outcome.exit_code == 1
-    assert job.watch("c", 1).command is Command.EXCLUDE
+    assert calls.watch(job, "c", 1).command is Command.EXCLUDE
     with pytest.raises(NodeExcludedError):
-        job.join(JoinRequest(node_id="c", host="h", nproc=1, store_port=1, min_nodes=2, max_nodes=3), 2.0)
+        calls.join(
+            job, JoinRequest(node_id="c", host="h", nproc=1, store_port=1, min_nodes=2, max_nodes=3), 2.0
+        )
     # The others rejoin: the training round has only a and b, and is no check round.
     assert beat(job, "a", 1.5).command is Command.REJOIN
     join_all(job, 2.0, "a", "b")
-    assignment = job.next_round("b", 1).assignment
+    assignment = calls.next_round(job, "b", 1).assignment
     assert assignment.check is False and assignment.members == ["a", "b"] and assignment.restart_count == 0
     status = {n.node_id: n for n in job.status(2.0).nodes}
     assert status["c"].state == "excluded" and status["c"].node_check_verdict.startswith(
@@ -402,7 +406,7 @@ def test_with_warn_a_failed_node_is_only_reported():
     run_check_round(job, 1.0, {"a": check(), "b": check(ok=False, stage="matmul", error="boom")})
     assert job.node_check.excluded == {}
     join_all(job, 2.0, "a", "b")
-    assert job.next_round("a", 1).assignment.members == ["a", "b"]
+    assert calls.next_round(job, "a", 1).assignment.members == ["a", "b"]
     assert any("(warn only)" in e.message and "node b failed" in e.message for e in job.events)
 
 
@@ -417,11 +421,11 @@ def test_a_check_that_leaves_too_few_nodes_fails_the_job():
 def test_a_node_lost_during_the_check_round_repeats_the_check_with_the_others():
     job = make_job(node_check="on")
     join_all(job, 0.0, "a", "b", "c")
-    assert job.next_round("a", 0).assignment.check
+    assert calls.next_round(job, "a", 0).assignment.check
     beat(job, "a", 1.0, node_check=check())
-    job.leave("c", "preempted", 1.5)
+    calls.leave(job, "c", "preempted", 1.5)
     join_all(job, 2.0, "a", "b")
-    assignment = job.next_round("a", 1).assignment
+    assignment = calls.next_round(job, "a", 1).assignment
     assert assignment.check and assignment.members == ["a", "b"]
     assert job.node_check.results == {}  # a's result of the abandoned round does not count
     run_check_round(job, 3.0, {"a": check(), "b": check()})
@@ -431,7 +435,7 @@ def test_a_node_lost_during_the_check_round_repeats_the_check_with_the_others():
 def test_node_check_state_survives_a_master_takeover():
     job = make_job(node_check="on", min_nodes=2, max_nodes=2)
     join_all(job, 0.0, "a", "b")
-    job.next_round("a", 0)
+    calls.next_round(job, "a", 0)
     run_check_round(job, 1.0, {"a": check(), "b": check()})
     restored = Job.restore(job.settings, json.loads(json.dumps(job.snapshot())), now=5.0)
     assert restored.node_check.done and restored.node_check.verdicts["a"].kind == "ok"

@@ -5,6 +5,7 @@ Every transition is also checked in ``job.events``: the server logs those and th
 
 from __future__ import annotations
 
+import job_calls as calls
 import pytest
 
 from elastic.job_settings import JobSettings
@@ -25,47 +26,76 @@ LAST_CALL = 2.0
 
 
 def make_job(**overrides: object) -> Job:
-    values: dict = dict(job_id="job-1", min_nodes=2, max_nodes=2, node_unit=1, last_call_s=LAST_CALL,
-                        join_timeout_s=60.0, heartbeat_interval_s=1.0, heartbeat_timeout_s=HB_TIMEOUT,
-                        max_restarts=2)
+    values: dict = dict(
+        job_id="job-1",
+        min_nodes=2,
+        max_nodes=2,
+        node_unit=1,
+        last_call_s=LAST_CALL,
+        join_timeout_s=60.0,
+        heartbeat_interval_s=1.0,
+        heartbeat_timeout_s=HB_TIMEOUT,
+        max_restarts=2,
+    )
     values.update(overrides)
     return Job(JobSettings(**values), now=0.0)
 
 
 def join_req(job: Job, node_id: str, nproc: int = 2, **overrides: object) -> JoinRequest:
     index = ord(node_id[0]) - ord("a")
-    values: dict = dict(node_id=node_id, host=f"10.0.0.{index + 1}", nproc=nproc, store_port=29500 + index,
-                        min_nodes=job.settings.min_nodes, max_nodes=job.settings.max_nodes)
+    values: dict = dict(
+        node_id=node_id,
+        host=f"10.0.0.{index + 1}",
+        nproc=nproc,
+        store_port=29500 + index,
+        min_nodes=job.settings.min_nodes,
+        max_nodes=job.settings.max_nodes,
+    )
     values.update(overrides)
     return JoinRequest(**values)
 
 
 def join(job: Job, now: float, *node_ids: str, nproc: int = 2) -> None:
     for node_id in node_ids:
-        reply = job.join(join_req(job, node_id, nproc), now)
+        reply = calls.join(job, join_req(job, node_id, nproc), now)
         assert reply.master_id == job.master_id
         assert reply.round == job.rdzv.round
 
 
-def beat(job: Job, node_id: str, now: float, round_: int | None = None,
-         state: NodeState = NodeState.RUNNING, failure: WorkerFailure | None = None):
+def beat(
+    job: Job,
+    node_id: str,
+    now: float,
+    round_: int | None = None,
+    state: NodeState = NodeState.RUNNING,
+    failure: WorkerFailure | None = None,
+):
     round_ = job.rdzv.round if round_ is None else round_
-    return job.heartbeat(HeartbeatRequest(node_id=node_id, round=round_, state=state, failure=failure), now)
+    req = HeartbeatRequest(node_id=node_id, round=round_, state=state, failure=failure)
+    return calls.heartbeat(job, req, now)
 
 
-def crash(rank: int = 0, local_rank: int = 0, exit_code: int | None = 1, signal: str | None = None,
-          message: str = "RuntimeError: boom", kind: str = "crash") -> WorkerFailure:
-    return WorkerFailure(rank=rank, local_rank=local_rank, exit_code=exit_code, signal=signal,
-                         message=message, kind=kind)
+def crash(
+    rank: int = 0,
+    local_rank: int = 0,
+    exit_code: int | None = 1,
+    signal: str | None = None,
+    message: str = "RuntimeError: boom",
+    kind: str = "crash",
+) -> WorkerFailure:
+    return WorkerFailure(
+        rank=rank, local_rank=local_rank, exit_code=exit_code, signal=signal, message=message, kind=kind
+    )
 
 
 def kinds(job: Job) -> list[str]:
-    return [event.kind for event in job.events]
+    """Kinds of the recorded events after the job's own ``job_started``."""
+    return [event.kind for event in job.events if event.kind != "job_started"]
 
 
 def new_kinds(job: Job, mark: int) -> list[str]:
     """Kinds of the events recorded since ``mark`` (a previous ``job.event_count``)."""
-    return kinds(job)[len(job.events) - (job.event_count - mark):]
+    return [event.kind for event in job.events][len(job.events) - (job.event_count - mark) :]
 
 
 def running(job: Job, now: float, *node_ids: str, nproc: int = 2) -> None:
@@ -78,7 +108,7 @@ def running(job: Job, now: float, *node_ids: str, nproc: int = 2) -> None:
 
 
 def assigned(job: Job, node_id: str, after: int = 0):
-    reply = job.next_round(node_id, after)
+    reply = calls.next_round(job, node_id, after)
     assert reply is not None and reply.status == "assigned", reply
     return reply.assignment
 
@@ -87,7 +117,7 @@ def assigned(job: Job, node_id: str, after: int = 0):
 def test_join_then_assignment_when_the_round_closes():
     job = make_job()
     join(job, 0.0, "a")
-    assert job.next_round("a", 0) is None, "one node of two: still waiting"
+    assert calls.next_round(job, "a", 0) is None, "one node of two: still waiting"
     assert kinds(job) == ["node_joined"]
     version = job.version
 
@@ -103,7 +133,7 @@ def test_join_then_assignment_when_the_round_closes():
     assert b.master_addr == a.master_addr and b.master_port == a.master_port
     assert a.members == ["a", "b"]
     assert (a.restart_count, a.max_restarts) == (0, 2)
-    assert job.next_round("a", after=1) is None, "no round newer than 1 yet"
+    assert calls.next_round(job, "a", after=1) is None, "no round newer than 1 yet"
     assert job.nodes["a"].state is NodeState.STARTING
 
 
@@ -111,7 +141,7 @@ def test_next_round_of_an_unknown_node_is_an_error():
     job = make_job()
     join(job, 0.0, "a")
     with pytest.raises(UnknownNodeError):
-        job.next_round("ghost", 0)
+        calls.next_round(job, "ghost", 0)
 
 
 # -- heartbeats and commands ----------------------------------------------------------------------------
@@ -163,12 +193,12 @@ def test_watch_of_a_node_the_master_does_not_know_is_an_error_not_a_rejoin():
     job = make_job()
     join(job, 0.0, "a")
     with pytest.raises(UnknownNodeError):
-        job.watch("ghost", 1)
+        calls.watch(job, "ghost", 1)
     running(job, 1.0, "a", "b")
-    assert job.watch("a", 1).command is Command.CONTINUE
+    assert calls.watch(job, "a", 1).command is Command.CONTINUE
     job.tick(1.0 + HB_TIMEOUT + 0.1)  # both declared dead: the master forgets them
     with pytest.raises(UnknownNodeError):
-        job.watch("a", 1)
+        calls.watch(job, "a", 1)
 
 
 # -- failures and restarts ------------------------------------------------------------------------------
@@ -209,8 +239,9 @@ def test_restart_budget_exhausted_fails_the_job_and_every_node_is_told_to_stop()
     assert job.rdzv.current.number == 2
 
     mark = job.event_count
-    failure = crash(rank=3, local_rank=1, exit_code=None, signal="SIGKILL",
-                    message="killed by the OOM killer\n")
+    failure = crash(
+        rank=3, local_rank=1, exit_code=None, signal="SIGKILL", message="killed by the OOM killer\n"
+    )
     reply = beat(job, "b", 3.0, round_=2, state=NodeState.FAILED, failure=failure)
     # The verdict waits for the restart round to close: no member loss explains the failure.
     assert job.outcome is None and reply.command is Command.REJOIN
@@ -232,7 +263,7 @@ def test_restart_budget_exhausted_fails_the_job_and_every_node_is_told_to_stop()
             reply = beat(job, node_id, 4.0, round_=round_)
             assert (reply.command, reply.outcome) == (Command.STOP, outcome)
         assert job.command_for(node_id, 2).command is Command.STOP
-        finished = job.next_round(node_id, 2)
+        finished = calls.next_round(job, node_id, 2)
         assert finished is not None and (finished.status, finished.outcome) == ("finished", outcome)
     assert beat(job, "ghost", 4.0, round_=0).command is Command.STOP, "a stranger learns the job is over"
     status = job.status(4.0)
@@ -259,8 +290,13 @@ def test_zero_restarts_fails_on_the_first_failure_with_exit_code_in_the_summary(
 def test_a_hang_is_reported_as_hung():
     job = make_job(max_restarts=0)
     running(job, 0.0, "a", "b")
-    beat(job, "a", 1.0, state=NodeState.FAILED, failure=crash(rank=0, exit_code=None, signal="SIGKILL",
-                                                                message="no progress for 60s", kind="hang"))
+    beat(
+        job,
+        "a",
+        1.0,
+        state=NodeState.FAILED,
+        failure=crash(rank=0, exit_code=None, signal="SIGKILL", message="no progress for 60s", kind="hang"),
+    )
     join(job, 1.2, "a", "b")
     assert "hung" in job.outcome.summary and "no progress for 60s" in job.outcome.summary
 
@@ -381,9 +417,9 @@ def test_a_node_whose_connection_closed_is_dead_after_two_intervals_unless_it_be
     job = make_job(min_nodes=1, max_nodes=2)
     running(job, 0.0, "a", "b")
     mark = job.event_count
-    job.connection_lost("a", 1.0)
-    job.connection_lost("b", 1.0)
-    job.connection_lost("zz", 1.0)  # not a node of the job: nothing to do
+    calls.connection_lost(job, "a", 1.0)
+    calls.connection_lost(job, "b", 1.0)
+    calls.connection_lost(job, "zz", 1.0)  # not a node of the job: nothing to do
     assert new_kinds(job, mark) == ["node_suspect", "node_suspect"]
     beat(job, "b", 2.0)  # b lives
     job.tick(3.0)
@@ -400,18 +436,18 @@ def test_a_closed_connection_of_a_finished_node_or_job_is_not_suspect():
     running(job, 0.0, "a", "b")
     beat(job, "a", 1.0, state=NodeState.SUCCEEDED)
     mark = job.event_count
-    job.connection_lost("a", 1.5)  # its agent exits after success
+    calls.connection_lost(job, "a", 1.5)  # its agent exits after success
     assert new_kinds(job, mark) == []
     beat(job, "b", 2.0, state=NodeState.SUCCEEDED)
     assert job.outcome is not None and job.outcome.succeeded
     mark = job.event_count
-    job.connection_lost("b", 2.5)
+    calls.connection_lost(job, "b", 2.5)
     assert new_kinds(job, mark) == []
 
 
 def ckpt_beat(job: Job, node_id: str, now: float, step: int):
     req = HeartbeatRequest(node_id=node_id, round=job.rdzv.round, state=NodeState.RUNNING, ckpt_step=step)
-    return job.heartbeat(req, now)
+    return calls.heartbeat(job, req, now)
 
 
 def test_committed_step_is_the_members_common_step_computed_in_tick_and_before_a_round_opens():
@@ -424,7 +460,7 @@ def test_committed_step_is_the_members_common_step_computed_in_tick_and_before_a
     assert job.committed_step == 4
     ckpt_beat(job, "a", 1.1, 6)
     ckpt_beat(job, "b", 1.1, 6)
-    job.leave("b", "", 1.2)  # opens a round before the next aggregate refresh: 6 is not lost
+    calls.leave(job, "b", "", 1.2)  # opens a round before the next aggregate refresh: 6 is not lost
     assert job.committed_step == 6
     join(job, 1.3, "a")
     job.tick(1.3 + LAST_CALL)
@@ -436,14 +472,14 @@ def test_orderly_leave_is_a_membership_change():
     job = make_job(min_nodes=1, max_nodes=2)
     running(job, 0.0, "a", "b")
     mark = job.event_count
-    job.leave("b", "agent received SIGTERM", 1.0)
+    calls.leave(job, "b", "agent received SIGTERM", 1.0)
     assert new_kinds(job, mark) == ["node_left", "round_opened"]
     assert "SIGTERM" in job.events[-2].message
     assert job.restart_count == 0
     assert "b" not in job.nodes
     assert beat(job, "a", 1.5, round_=1).command is Command.REJOIN
     with pytest.raises(UnknownNodeError):
-        job.leave("b", "", 2.0)
+        calls.leave(job, "b", "", 2.0)
     join(job, 2.0, "a")
     assert job.rdzv.current.members == ["a"] and job.rdzv.current.number == 2
 
@@ -451,7 +487,7 @@ def test_orderly_leave_is_a_membership_change():
 def test_a_waiting_node_that_leaves_does_not_open_a_round():
     job = make_job(min_nodes=2, max_nodes=3)
     join(job, 0.0, "a", "b")
-    job.leave("b", "", 1.0)
+    calls.leave(job, "b", "", 1.0)
     job.tick(LAST_CALL + 1)
     assert job.rdzv.phase is Phase.OPEN, "one node below min_nodes"
     assert kinds(job) == ["node_joined", "node_joined", "node_left"]
@@ -520,16 +556,16 @@ def test_join_timeout_fails_the_job_with_a_clear_summary():
     assert "1 node(s) joined" in outcome.summary and "at least 2 needed" in outcome.summary
     assert kinds(job)[-1] == "job_failed"
     assert beat(job, "a", 31.0, round_=0, state=NodeState.WAITING).command is Command.STOP
-    assert job.next_round("a", 0).status == "finished"
+    assert calls.next_round(job, "a", 0).status == "finished"
 
 
 def test_join_with_different_nnodes_is_rejected():
     job = make_job(min_nodes=2, max_nodes=4)
     with pytest.raises(SettingsMismatchError) as info:
-        job.join(join_req(job, "a", min_nodes=1, max_nodes=4), 0.0)
+        calls.join(job, join_req(job, "a", min_nodes=1, max_nodes=4), 0.0)
     assert "1:4" in str(info.value) and "2:4" in str(info.value)
     with pytest.raises(SettingsMismatchError):
-        job.join(join_req(job, "a", min_nodes=2, max_nodes=3), 0.0)
+        calls.join(job, join_req(job, "a", min_nodes=2, max_nodes=3), 0.0)
     assert job.nodes == {} and kinds(job) == []
 
 
@@ -540,7 +576,7 @@ def test_join_after_the_job_finished_changes_nothing():
     join(job, 1.2, "a", "b")
     assert job.outcome is not None
     mark = job.event_count
-    job.join(join_req(job, "c"), 2.0)
+    calls.join(job, join_req(job, "c"), 2.0)
     assert job.event_count == mark and "c" not in job.nodes
 
 
@@ -566,7 +602,12 @@ def test_status_rows():
     job = make_job()
     status = job.status(0.0)
     assert (status.job_id, status.phase, status.round, status.world_size, status.nodes) == (
-        "job-1", "rendezvous", 1, 0, [])
+        "job-1",
+        "rendezvous",
+        1,
+        0,
+        [],
+    )
 
     join(job, 0.0, "a")
     join(job, 1.0, "b", nproc=3)
@@ -584,7 +625,12 @@ def test_status_rows():
     beat(job, "b", 3.0, state=NodeState.FAILED, failure=crash(rank=2))
     status = job.status(3.0)
     assert (status.phase, status.round, status.world_size, status.nnodes, status.restart_count) == (
-        "rendezvous", 2, 0, 0, 1)
+        "rendezvous",
+        2,
+        0,
+        0,
+        1,
+    )
     rows = {row.node_id: row for row in status.nodes}
     assert rows["b"].restarts == 1 and rows["a"].restarts == 0
     assert rows["a"].rank is None and rows["b"].rank is None, "no ranks while the round is open"

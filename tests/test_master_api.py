@@ -26,6 +26,7 @@ from elastic.protocol import (
     JOB_HEADER,
     LONG_POLL_CAP_S,
     MAX_BODY_BYTES,
+    NODE_SECRET_HEADER,
     Command,
     HeartbeatRequest,
     JoinRequest,
@@ -62,9 +63,15 @@ class Api:
         self._closers: list[Callable[[], None]] = []
 
     def start(self, **job: Any) -> EmbeddedMaster:
-        values: dict[str, Any] = dict(job_id=JOB_ID, min_nodes=2, max_nodes=2, last_call_s=60.0,
-                                      heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0,
-                                      join_timeout_s=600.0)
+        values: dict[str, Any] = dict(
+            job_id=JOB_ID,
+            min_nodes=2,
+            max_nodes=2,
+            last_call_s=60.0,
+            heartbeat_interval_s=1.0,
+            heartbeat_timeout_s=60.0,
+            join_timeout_s=600.0,
+        )
         values.update(job)
         settings = ServerSettings(job=JobSettings(**values), token=TOKEN, host="127.0.0.1", port=0)
         master = EmbeddedMaster(settings)
@@ -78,8 +85,12 @@ class Api:
 
     def http(self, master: EmbeddedMaster, headers: dict[str, str] | None = None) -> httpx.Client:
         """A raw client; ``headers`` replace the default auth headers (``{}`` sends none)."""
-        http = httpx.Client(base_url=f"http://{master.address}", headers=AUTH if headers is None else headers,
-                            trust_env=False, timeout=httpx.Timeout(LONG_POLL_CAP_S + 10, connect=5.0))
+        http = httpx.Client(
+            base_url=f"http://{master.address}",
+            headers=AUTH if headers is None else headers,
+            trust_env=False,
+            timeout=httpx.Timeout(LONG_POLL_CAP_S + 10, connect=5.0),
+        )
         self._closers.append(http.close)
         return http
 
@@ -102,8 +113,9 @@ def api() -> Iterator[Api]:
 
 
 def join_body(node_id: str = "b", **overrides: Any) -> dict[str, Any]:
-    body: dict[str, Any] = dict(node_id=node_id, host="127.0.0.1", nproc=1, store_port=29501, min_nodes=2,
-                                max_nodes=2)
+    body: dict[str, Any] = dict(
+        node_id=node_id, host="127.0.0.1", nproc=1, store_port=29501, min_nodes=2, max_nodes=2
+    )
     body.update(overrides)
     return body
 
@@ -119,6 +131,8 @@ def snapshot(http: httpx.Client) -> dict[str, Any]:
     data = response.json()
     for row in data["nodes"]:
         row.pop("heartbeat_age_s")
+    for event in data.get("events", []):
+        event.pop("age_s")
     return data
 
 
@@ -146,21 +160,30 @@ def spy(monkeypatch: pytest.MonkeyPatch, obj: object, name: str) -> threading.Ev
 # -- bad requests ----------------------------------------------------------------------------------------
 def _post_json(path: str, body: Any, headers: dict[str, str] | None = None):
     def send(http: httpx.Client) -> httpx.Response:
-        return http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json",
-                                                                  **(AUTH if headers is None else headers)})
+        return http.post(
+            path,
+            content=json.dumps(body),
+            headers={"Content-Type": "application/json", **(AUTH if headers is None else headers)},
+        )
+
     return send
 
 
 def _get(path: str, headers: dict[str, str] | None = None, **params: Any):
     def send(http: httpx.Client) -> httpx.Response:
         return http.get(path, params=params, headers=AUTH if headers is None else headers)
+
     return send
 
 
 def _raw(path: str, content: Any, headers: dict[str, str] | None = None):
     def send(http: httpx.Client) -> httpx.Response:
-        return http.post(path, content=content, headers={"Content-Type": "application/json",
-                                                         **(AUTH if headers is None else headers)})
+        return http.post(
+            path,
+            content=content,
+            headers={"Content-Type": "application/json", **(AUTH if headers is None else headers)},
+        )
+
     return send
 
 
@@ -175,44 +198,98 @@ BAD_REQUESTS = {
     "wrong-token": (_post_json("/v1/join", join_body(), WRONG_TOKEN), 401, "unauthorized", ["token"]),
     "no-token": (_post_json("/v1/join", join_body(), NO_TOKEN), 401, "unauthorized", []),
     "wrong-token-status": (_get("/v1/status", WRONG_TOKEN), 401, "unauthorized", []),
-    "wrong-token-heartbeat": (_post_json("/v1/heartbeat", dict(node_id="a", round=0, state="failed",
-                                                               failure=FAILURE), WRONG_TOKEN),
-                              401, "unauthorized", []),
+    "wrong-token-heartbeat": (
+        _post_json("/v1/heartbeat", dict(node_id="a", round=0, state="failed", failure=FAILURE), WRONG_TOKEN),
+        401,
+        "unauthorized",
+        [],
+    ),
     "wrong-job": (_post_json("/v1/join", join_body(), WRONG_JOB), 409, "wrong_job", ["someone-elses-job"]),
     "no-job-header": (_post_json("/v1/join", join_body(), NO_JOB), 409, "wrong_job", []),
     "bad-field-type": (_post_json("/v1/join", join_body(nproc="many")), 422, "invalid_request", ["nproc"]),
-    "field-out-of-range": (_post_json("/v1/join", join_body(store_port=70000)), 422, "invalid_request",
-                           ["store_port"]),
-    "missing-field": (_post_json("/v1/join", {k: v for k, v in join_body().items() if k != "host"}),
-                      422, "invalid_request", ["host"]),
+    "field-out-of-range": (
+        _post_json("/v1/join", join_body(store_port=70000)),
+        422,
+        "invalid_request",
+        ["store_port"],
+    ),
+    "missing-field": (
+        _post_json("/v1/join", {k: v for k, v in join_body().items() if k != "host"}),
+        422,
+        "invalid_request",
+        ["host"],
+    ),
     "bad-node-id": (_post_json("/v1/join", join_body(node_id="../etc")), 422, "invalid_request", ["node_id"]),
-    "host-forging-a-log-line": (_post_json("/v1/join", join_body(host="x\nFAKE [elastic.master] succeeded")),
-                                422, "invalid_request", ["host"]),
-    "host-with-a-trailing-newline": (_post_json("/v1/join", join_body(host="node-b\n")), 422,
-                                     "invalid_request", ["host"]),
-    "bad-enum": (_post_json("/v1/heartbeat", dict(node_id="a", round=0, state="exploded")), 422,
-                 "invalid_request", ["state"]),
-    "bad-nested-field": (_post_json("/v1/heartbeat", dict(node_id="a", round=1, state="failed",
-                                                          failure=dict(FAILURE, rank=-1))),
-                         422, "invalid_request", ["failure", "rank"]),
+    "host-forging-a-log-line": (
+        _post_json("/v1/join", join_body(host="x\nFAKE [elastic.master] succeeded")),
+        422,
+        "invalid_request",
+        ["host"],
+    ),
+    "host-with-a-trailing-newline": (
+        _post_json("/v1/join", join_body(host="node-b\n")),
+        422,
+        "invalid_request",
+        ["host"],
+    ),
+    "bad-enum": (
+        _post_json("/v1/heartbeat", dict(node_id="a", round=0, state="exploded")),
+        422,
+        "invalid_request",
+        ["state"],
+    ),
+    "bad-nested-field": (
+        _post_json(
+            "/v1/heartbeat", dict(node_id="a", round=1, state="failed", failure=dict(FAILURE, rank=-1))
+        ),
+        422,
+        "invalid_request",
+        ["failure", "rank"],
+    ),
     "not-json": (_raw("/v1/join", b'{"node_id": "b", nproc}'), 422, "invalid_request", []),
     "json-not-an-object": (_raw("/v1/join", b"[1, 2, 3]"), 422, "invalid_request", []),
     "unknown-field": (_post_json("/v1/join", join_body(gpus=8)), 422, "invalid_request", ["gpus"]),
-    "unknown-nested-field": (_post_json("/v1/heartbeat", dict(node_id="a", round=1, state="failed",
-                                                              failure=dict(FAILURE, core_dumped=True))),
-                             422, "invalid_request", ["core_dumped"]),
-    "oversize-body": (_raw("/v1/join", json.dumps(join_body(host="h" * MAX_BODY_BYTES)).encode()), 413,
-                      "body_too_large", [str(MAX_BODY_BYTES)]),
-    "unknown-node-heartbeat": (_post_json("/v1/heartbeat", dict(node_id="ghost", round=0, state="waiting")),
-                               404, "unknown_node", ["ghost"]),
+    "unknown-nested-field": (
+        _post_json(
+            "/v1/heartbeat",
+            dict(node_id="a", round=1, state="failed", failure=dict(FAILURE, core_dumped=True)),
+        ),
+        422,
+        "invalid_request",
+        ["core_dumped"],
+    ),
+    "oversize-body": (
+        _raw("/v1/join", json.dumps(join_body(host="h" * MAX_BODY_BYTES)).encode()),
+        413,
+        "body_too_large",
+        [str(MAX_BODY_BYTES)],
+    ),
+    "unknown-node-heartbeat": (
+        _post_json("/v1/heartbeat", dict(node_id="ghost", round=0, state="waiting")),
+        404,
+        "unknown_node",
+        ["ghost"],
+    ),
     "unknown-node-leave": (_post_json("/v1/leave", dict(node_id="ghost")), 404, "unknown_node", ["ghost"]),
     "unknown-node-round": (_get("/v1/round", node_id="ghost", timeout=0), 404, "unknown_node", ["ghost"]),
-    "nnodes-mismatch": (_post_json("/v1/join", join_body(min_nodes=1, max_nodes=4)), 409, "settings_mismatch",
-                        ["1:4", "2:2"]),
-    "round-timeout-over-cap": (_get("/v1/round", node_id="a", timeout=LONG_POLL_CAP_S + 1), 422,
-                               "invalid_request", ["timeout"]),
-    "watch-timeout-over-cap": (_get("/v1/watch", node_id="a", round=1, timeout=1000), 422, "invalid_request",
-                               ["timeout"]),
+    "nnodes-mismatch": (
+        _post_json("/v1/join", join_body(min_nodes=1, max_nodes=4)),
+        409,
+        "settings_mismatch",
+        ["1:4", "2:2"],
+    ),
+    "round-timeout-over-cap": (
+        _get("/v1/round", node_id="a", timeout=LONG_POLL_CAP_S + 1),
+        422,
+        "invalid_request",
+        ["timeout"],
+    ),
+    "watch-timeout-over-cap": (
+        _get("/v1/watch", node_id="a", round=1, timeout=1000),
+        422,
+        "invalid_request",
+        ["timeout"],
+    ),
     "watch-without-round": (_get("/v1/watch", node_id="a"), 422, "invalid_request", ["round"]),
 }
 
@@ -235,7 +312,7 @@ def test_bad_request_is_rejected_and_changes_nothing(api: Api, case: str):
         assert word in body["message"], body
 
     assert snapshot(http) == before
-    assert [e.kind for e in master.service.job.events] == ["node_joined"]
+    assert [e.kind for e in master.service.job.events] == ["job_started", "node_joined"]
 
 
 def test_oversize_chunked_body_is_rejected_with_413(api: Api):
@@ -243,8 +320,9 @@ def test_oversize_chunked_body_is_rejected_with_413(api: Api):
     http = api.http(master)
     before = snapshot(http)
     chunk = b" " * 16384
-    response = http.post("/v1/join", content=iter([b"{", *[chunk] * 5, b"}"]),
-                         headers={"Content-Type": "application/json"})
+    response = http.post(
+        "/v1/join", content=iter([b"{", *[chunk] * 5, b"}"]), headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == 413, response.text
     assert response.json()["error"] == "body_too_large"
     assert snapshot(http) == before
@@ -253,8 +331,9 @@ def test_oversize_chunked_body_is_rejected_with_413(api: Api):
 def test_wrong_token_wins_over_a_malformed_body(api: Api):
     master = api.start()
     http = api.http(master)
-    response = http.post("/v1/join", content=b"{not json", headers={"Content-Type": "application/json",
-                                                                     **WRONG_TOKEN})
+    response = http.post(
+        "/v1/join", content=b"{not json", headers={"Content-Type": "application/json", **WRONG_TOKEN}
+    )
     assert response.status_code == 401, response.text
 
 
@@ -315,9 +394,43 @@ def test_info_join_assign_heartbeat_leave_through_the_client(api: Api):
     assert client.status().restart_count == 0
 
 
+def test_requests_for_a_node_need_the_secret_its_join_returned(api: Api):
+    """The X-Elastic-Node-Secret header over HTTP: 403 bad_node_secret without it (nothing changes), 409
+    duplicate_node for a second join under the id, and the same secret on a rejoin that carries it."""
+    master = api.start()
+    http = api.http(master)
+    joined = http.post("/v1/join", json=join_body("a"))
+    assert joined.status_code == 200, joined.text
+    secret = joined.json()["node_secret"]
+    assert len(secret) >= 43
+    before, version = snapshot(http), master.service.job.version
+
+    forged = dict(node_id="a", round=0, state="failed", failure=FAILURE)
+    for headers in ({}, {NODE_SECRET_HEADER: "a-guess"}):
+        for response in (
+            http.post("/v1/heartbeat", json=forged, headers=headers),
+            http.post("/v1/leave", json=dict(node_id="a", reason="forged"), headers=headers),
+            http.get("/v1/round", params=dict(node_id="a", timeout=0), headers=headers),
+            http.get("/v1/watch", params=dict(node_id="a", round=1, timeout=0), headers=headers),
+        ):
+            assert response.status_code == 403, response.text
+            assert response.json()["error"] == "bad_node_secret" and "node a" in response.json()["message"]
+    duplicate = http.post("/v1/join", json=join_body("a", host="10.1.1.1"))
+    assert duplicate.status_code == 409, duplicate.text
+    assert duplicate.json()["error"] == "duplicate_node" and "node id a" in duplicate.json()["message"]
+    assert snapshot(http) == before and master.service.job.version == version
+
+    own = {NODE_SECRET_HEADER: secret}
+    beat = http.post("/v1/heartbeat", json=dict(node_id="a", round=0, state="waiting"), headers=own)
+    assert beat.status_code == 200, beat.text
+    rejoined = http.post("/v1/join", json=join_body("a"), headers=own)
+    assert rejoined.status_code == 200 and rejoined.json()["node_secret"] == secret
+
+
 # -- long-polls ------------------------------------------------------------------------------------------
-def test_round_long_poll_returns_as_soon_as_a_join_closes_the_round(api: Api,
-                                                                    monkeypatch: pytest.MonkeyPatch):
+def test_round_long_poll_returns_as_soon_as_a_join_closes_the_round(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+):
     master = api.start(min_nodes=2, max_nodes=2)
     client = api.client(master)
     client.join(join_req("a"))
@@ -365,7 +478,8 @@ def test_a_long_poll_at_the_cap_is_accepted(api: Api):
 
 
 def test_watch_returns_rejoin_as_soon_as_another_nodes_failure_opens_a_round(
-        api: Api, monkeypatch: pytest.MonkeyPatch):
+    api: Api, monkeypatch: pytest.MonkeyPatch
+):
     master = api.start(min_nodes=2, max_nodes=2)
     client = api.client(master)
     client.join(join_req("a"))
@@ -392,11 +506,11 @@ def test_watch_returns_rejoin_as_soon_as_another_nodes_failure_opens_a_round(
     assert client.status().restart_count == 1
 
 
-def open_watch(master: EmbeddedMaster, node_id: str, round_: int) -> socket.socket:
+def open_watch(master: EmbeddedMaster, node_id: str, round_: int, secret: str) -> socket.socket:
     """Send a watch long-poll on a raw socket and leave it pending (closing the socket drops it)."""
     host, port = master.address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=10)
-    headers = "".join(f"{k}: {v}\r\n" for k, v in AUTH.items())
+    headers = "".join(f"{k}: {v}\r\n" for k, v in {**AUTH, NODE_SECRET_HEADER: secret}.items())
     target = f"/v1/watch?node_id={node_id}&round={round_}&timeout={LONG_POLL_S}"
     sock.sendall(f"GET {target} HTTP/1.1\r\nHost: {master.address}\r\n{headers}\r\n".encode())
     return sock
@@ -411,14 +525,14 @@ def test_a_node_whose_long_poll_connection_closes_is_dead_after_two_heartbeat_in
     interval = 0.5
     master = api.start(min_nodes=2, max_nodes=2, heartbeat_interval_s=interval, heartbeat_timeout_s=60.0)
     client = api.client(master)
-    client.join(join_req("a"))
-    client.join(join_req("b", store_port=29502))
+    secrets = {"a": client.join(join_req("a")).node_secret}
+    secrets["b"] = client.join(join_req("b", store_port=29502)).node_secret
     for node_id in ("a", "b"):
         client.heartbeat(HeartbeatRequest(node_id=node_id, round=1, state=NodeState.RUNNING))
     probed = spy(monkeypatch, master.service.job, "command_for")
     for node_id in ("a", "b"):
         probed.clear()
-        sock = open_watch(master, node_id, 1)
+        sock = open_watch(master, node_id, 1, secrets[node_id])
         assert probed.wait(10), "the watch never reached the master"
         sock.close()
     dropped_at = time.monotonic()

@@ -4,7 +4,8 @@ real gloo workers of scripts/train_script.py.
 
 * (a) two masters on one etcd: exactly one leads, the standby refuses state changes with 503;
 * (b) SIGKILL of the leading master: the standby leads within a few seconds and the workers never notice
-  (no restart, every step exactly once), and the job finishes;
+  (no restart, every step exactly once; the new leader accepts the agents' node secrets), and the job
+  finishes;
 * (b') etcd lost while training: the leader steps down (503), the workers keep training, and once etcd is
   back the same master leads again and the job finishes without a restart;
 * (b'') SIGSTOP of the leading master (hung or partitioned: connections accepted, never answered): the
@@ -60,8 +61,17 @@ UNKNOWN_NODE = "the master no longer knows this node"
 
 # -- helpers ------------------------------------------------------------------------------------------------
 def train_args(steps: int, step_time: float, ckpt_every: int = 5) -> list[str]:
-    return [str(TRAIN_SCRIPT), "--steps", str(steps), "--ckpt-every", str(ckpt_every),
-            "--step-time", str(step_time), "--batch-size", "32"]
+    return [
+        str(TRAIN_SCRIPT),
+        "--steps",
+        str(steps),
+        "--ckpt-every",
+        str(ckpt_every),
+        "--step-time",
+        str(step_time),
+        "--batch-size",
+        "32",
+    ]
 
 
 def headers(job_id: str) -> dict[str, str]:
@@ -71,16 +81,23 @@ def headers(job_id: str) -> dict[str, str]:
 def http_status(method: str, address: str, path: str, job_id: str, body: dict | None = None) -> int:
     """The HTTP status of one request, 0 when nothing answers."""
     try:
-        response = httpx.request(method, f"http://{address}{API_PREFIX}{path}", json=body,
-                                 headers=headers(job_id), timeout=5.0, trust_env=False)
+        response = httpx.request(
+            method,
+            f"http://{address}{API_PREFIX}{path}",
+            json=body,
+            headers=headers(job_id),
+            timeout=5.0,
+            trust_env=False,
+        )
     except httpx.TransportError:
         return 0
     return response.status_code
 
 
 def get_json(address: str, path: str, job_id: str) -> dict:
-    response = httpx.get(f"http://{address}{API_PREFIX}{path}", headers=headers(job_id), timeout=5.0,
-                         trust_env=False)
+    response = httpx.get(
+        f"http://{address}{API_PREFIX}{path}", headers=headers(job_id), timeout=5.0, trust_env=False
+    )
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -113,12 +130,28 @@ class Job:
         self.token_file.write_text(TOKEN + "\n")
         self.ckpt_dir = self.tmp_path / "ckpt"
 
-    def master(self, port: int, name: str) -> Proc:
+    def master(self, port: int, name: str, *extra: str, store: str | None = None) -> Proc:
+        """A master on ``port`` (``store``: its own --store, default the job's; ``extra``: more flags)."""
         argv = elastic_master_argv(
-            "--host", "127.0.0.1", "--port", str(port), "--job-id", self.job_id, "--nnodes", self.nnodes,
-            "--token-file", str(self.token_file), "--store", self.store,
-            "--heartbeat-interval", str(HEARTBEAT_INTERVAL_S),
-            "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--last-call", str(LAST_CALL_S),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--job-id",
+            self.job_id,
+            "--nnodes",
+            self.nnodes,
+            "--token-file",
+            str(self.token_file),
+            "--store",
+            store or self.store,
+            "--heartbeat-interval",
+            str(HEARTBEAT_INTERVAL_S),
+            "--heartbeat-timeout",
+            str(HEARTBEAT_TIMEOUT_S),
+            "--last-call",
+            str(LAST_CALL_S),
+            *extra,
         )
         proc = self.launch(argv, name=name)
         self.procs.append(proc)
@@ -127,13 +160,29 @@ class Job:
 
     def agent(self, node_id: str, masters: list[str], script: list[str]) -> Proc:
         argv = elastic_run_argv(
-            "--nnodes", self.nnodes, "--nproc-per-node", "1", "--master", ",".join(masters),
-            "--job-id", self.job_id, "--token-file", str(self.token_file), "--node-id", node_id,
-            "--ckpt-dir", str(self.ckpt_dir), "--stop-grace", "2", "--master-timeout", str(MASTER_TIMEOUT_S),
+            "--nnodes",
+            self.nnodes,
+            "--nproc-per-node",
+            "1",
+            "--master",
+            ",".join(masters),
+            "--job-id",
+            self.job_id,
+            "--token-file",
+            str(self.token_file),
+            "--node-id",
+            node_id,
+            "--ckpt-dir",
+            str(self.ckpt_dir),
+            "--stop-grace",
+            "2",
+            "--master-timeout",
+            str(MASTER_TIMEOUT_S),
             *script,
         )
-        proc = self.launch(argv, name=f"agent-{node_id}", env=base_env(OMP_NUM_THREADS="1",
-                                                                        PYTHONUNBUFFERED="1"))
+        proc = self.launch(
+            argv, name=f"agent-{node_id}", env=base_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        )
         self.procs.append(proc)
         return proc
 
@@ -176,8 +225,11 @@ def kill(proc: Proc) -> None:
 
 
 def rank0_agent(agents: list[Proc]) -> Proc:
-    matches = wait_until(lambda: [a for a in agents if re.search(r"round \d+: node rank 0 of", a.output())],
-                         START_S, "a node rank 0")
+    matches = wait_until(
+        lambda: [a for a in agents if re.search(r"round \d+: node rank 0 of", a.output())],
+        START_S,
+        "a node rank 0",
+    )
     return matches[0]
 
 
@@ -201,6 +253,7 @@ def assert_uninterrupted_training(agents: list[Proc], steps: int) -> None:
     for agent in agents:
         out = agent.output()
         assert "restarting workers" not in out and UNKNOWN_NODE not in out, out[-3000:]
+        assert "node secret" not in out, out[-3000:]  # the credentials went over with the job's state
         assert not re.search(r"round [2-9]\d*: node rank", out), out[-3000:]
 
 
@@ -218,8 +271,11 @@ def test_two_masters_on_one_etcd_exactly_one_leads_and_the_standby_refuses_state
     addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     masters = [job.master(int(a.rsplit(":", 1)[1]), f"master-{i}") for i, a in enumerate(addresses)]
 
-    wait_until(lambda: sorted(job.info(a) for a in addresses) == [200, 503], START_S,
-               "one master to lead and the other to stand by")
+    wait_until(
+        lambda: sorted(job.info(a) for a in addresses) == [200, 503],
+        START_S,
+        "one master to lead and the other to stand by",
+    )
     lead = next(i for i, a in enumerate(addresses) if job.info(a) == 200)
     leader, standby = addresses[lead], addresses[1 - lead]
 
@@ -229,11 +285,22 @@ def test_two_masters_on_one_etcd_exactly_one_leads_and_the_standby_refuses_state
         assert [job.info(leader), job.info(standby)] == [200, 503]
     assert [len(re.findall(r"leads job", m.output())) for m in masters] == [int(i == lead) for i in range(2)]
 
-    join = {"node_id": "n0", "host": "127.0.0.1", "nproc": 1, "store_port": 29501, "min_nodes": 2,
-            "max_nodes": 2}
+    join = {
+        "node_id": "n0",
+        "host": "127.0.0.1",
+        "nproc": 1,
+        "store_port": 29501,
+        "min_nodes": 2,
+        "max_nodes": 2,
+    }
     beat = {"node_id": "n0", "round": 1, "state": "running"}
-    response = httpx.post(f"http://{standby}{API_PREFIX}/join", json=join, headers=headers(job.job_id),
-                          timeout=5.0, trust_env=False)
+    response = httpx.post(
+        f"http://{standby}{API_PREFIX}/join",
+        json=join,
+        headers=headers(job.job_id),
+        timeout=5.0,
+        trust_env=False,
+    )
     assert response.status_code == 503 and response.json()["error"] == "not_leader", response.text
     assert http_status("POST", standby, "/heartbeat", job.job_id, beat) == 503
     assert http_status("GET", standby, "/status", job.job_id) == 503
@@ -269,8 +336,9 @@ def test_sigkill_of_the_leader_the_standby_takes_over_and_training_goes_on_untou
     standby = addresses[1 - lead]
     failover_s = job.wait_leader(standby, FAILOVER_LIMIT_S)
     during = steps_of(rank0, killed_at_output)  # steps printed while no master led
-    print(f"\n(b) standby led {failover_s:.2f}s after SIGKILL of the leader; "
-          f"{len(during)} steps ran meanwhile")
+    print(
+        f"\n(b) standby led {failover_s:.2f}s after SIGKILL of the leader; {len(during)} steps ran meanwhile"
+    )
     assert during, "the workers stood still while no master led"
 
     after = job.status(standby)
@@ -280,8 +348,11 @@ def test_sigkill_of_the_leader_the_standby_takes_over_and_training_goes_on_untou
     # Past the takeover grace period, both nodes are alive and still in round 1.
     takeover = masters[1 - lead].wait_for(r"master_takeover: .*", 10)
     rank0.wait_for(r"^\[rank0\]:step=\d+ loss", 30, after=len(rank0.output()))
-    wait_until(lambda: len(steps_of(rank0, killed_at_output)) >= len(during) + 2 * HEARTBEAT_TIMEOUT_S / 0.15,
-               60, "training to go on past the takeover grace period")
+    wait_until(
+        lambda: len(steps_of(rank0, killed_at_output)) >= len(during) + 2 * HEARTBEAT_TIMEOUT_S / 0.15,
+        60,
+        "training to go on past the takeover grace period",
+    )
     status = job.status(standby)
     assert {n["node_id"]: n["state"] for n in status["nodes"]} == {"node-0": "running", "node-1": "running"}
     assert (status["round"], status["restart_count"]) == (1, 0)
@@ -318,8 +389,11 @@ def test_frozen_leader_the_standby_takes_over_without_false_verdicts_and_the_old
         failover_s = job.wait_leader(addresses[1 - lead], FAILOVER_LIMIT_S)
         print(f"\n(b'') standby led {failover_s:.2f}s after SIGSTOP of the leader")
         at = len(rank0.output())
-        wait_until(lambda: len(steps_of(rank0, at)) >= 2 * HEARTBEAT_TIMEOUT_S / 0.15, 60,
-                   "training to go on past the takeover grace period")
+        wait_until(
+            lambda: len(steps_of(rank0, at)) >= 2 * HEARTBEAT_TIMEOUT_S / 0.15,
+            60,
+            "training to go on past the takeover grace period",
+        )
     finally:
         os.kill(frozen.pid, signal.SIGCONT)
     # The thawed old leader knows its lease ran out: it refuses to serve from its first request on.
@@ -366,8 +440,11 @@ def test_single_master_sigkilled_and_restarted_on_the_same_port_with_etcd_resume
     for key in ("round", "restart_count", "phase", "world_size"):
         assert after[key] == before[key], key
     restarted.wait_for(r"master_takeover: .*took over job", 10)
-    wait_until(lambda: len(steps_of(rank0, killed_at_output)) >= len(during) + 2 * HEARTBEAT_TIMEOUT_S / 0.15,
-               60, "training to go on past the takeover grace period")
+    wait_until(
+        lambda: len(steps_of(rank0, killed_at_output)) >= len(during) + 2 * HEARTBEAT_TIMEOUT_S / 0.15,
+        60,
+        "training to go on past the takeover grace period",
+    )
     status = job.status(address)
     assert {n["node_id"]: n["state"] for n in status["nodes"]} == {"node-0": "running", "node-1": "running"}
 
@@ -406,11 +483,16 @@ def test_node_dying_while_no_master_is_up_is_declared_dead_after_the_grace_and_t
     job.wait_leader(address, FAILOVER_LIMIT_S + START_S)
 
     lead = restarted.wait_for(r"^(?P<at>\S+ \S+) .*leads job", 10)
-    dead = restarted.wait_for(rf"^(?P<at>\S+ \S+) .*node_dead: node {victim_id} declared dead "
-                              r"\(no heartbeat for (?P<age>[\d.]+)s\)", 30)
+    dead = restarted.wait_for(
+        rf"^(?P<at>\S+ \S+) .*node_dead: node {victim_id} declared dead "
+        r"\(no heartbeat for (?P<age>[\d.]+)s\)",
+        30,
+    )
     verdict_s = log_time(dead) - log_time(lead)
-    print(f"\n(d) the node lost while no master was up was declared dead {verdict_s:.2f}s after the "
-          f"master came back (grace {HEARTBEAT_TIMEOUT_S:g}s)")
+    print(
+        f"\n(d) the node lost while no master was up was declared dead {verdict_s:.2f}s after the "
+        f"master came back (grace {HEARTBEAT_TIMEOUT_S:g}s)"
+    )
     assert float(dead.group("age")) >= HEARTBEAT_TIMEOUT_S
     assert verdict_s >= HEARTBEAT_TIMEOUT_S - 0.2  # the grace period: no verdict before it ends
 
@@ -448,8 +530,11 @@ def test_memory_store_master_restart_is_reported_to_agents_which_rejoin_and_fini
     job.wait_leader(address, START_S)
     for agent in agents:
         agent.wait_for(UNKNOWN_NODE + r".*stopping workers and rejoining", 30)
-        agent.wait_for(r"it lost the job's state \(restarted without a durable store\); joining its rounds "
-                       r"afresh", 30)
+        agent.wait_for(
+            r"it lost the job's state \(restarted without a durable store\); joining its rounds "
+            r"afresh",
+            30,
+        )
 
     job.finish(*agents)
     after = job.status(address)
@@ -495,8 +580,10 @@ def test_etcd_lost_while_training_the_leader_steps_down_and_training_goes_on_unt
     back_at = time.monotonic()
     job.wait_leader(address, 30)
     relead_s = time.monotonic() - back_at
-    print(f"\n(b') leader stepped down {stepped_down_s:.2f}s after etcd died; led again {relead_s:.2f}s "
-          f"after etcd was back; {len(steps_of(rank0, lost_at_output))} steps ran meanwhile")
+    print(
+        f"\n(b') leader stepped down {stepped_down_s:.2f}s after etcd died; led again {relead_s:.2f}s "
+        f"after etcd was back; {len(steps_of(rank0, lost_at_output))} steps ran meanwhile"
+    )
     assert len(re.findall(r"leads job", master.output())) == 2
     status = job.status(address)
     assert (status["round"], status["restart_count"], status["phase"]) == (1, 0, "training")

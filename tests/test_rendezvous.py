@@ -16,10 +16,23 @@ LAST_CALL = 5.0
 JOIN_TIMEOUT = 100.0
 
 
-def make(min_nodes: int = 1, max_nodes: int = 1, node_unit: int = 1, last_call_s: float = LAST_CALL,
-         join_timeout_s: float = JOIN_TIMEOUT) -> Rendezvous:
-    return Rendezvous(JobSettings(job_id="job", min_nodes=min_nodes, max_nodes=max_nodes, node_unit=node_unit,
-                                  last_call_s=last_call_s, join_timeout_s=join_timeout_s))
+def make(
+    min_nodes: int = 1,
+    max_nodes: int = 1,
+    node_unit: int = 1,
+    last_call_s: float = LAST_CALL,
+    join_timeout_s: float = JOIN_TIMEOUT,
+) -> Rendezvous:
+    return Rendezvous(
+        JobSettings(
+            job_id="job",
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            node_unit=node_unit,
+            last_call_s=last_call_s,
+            join_timeout_s=join_timeout_s,
+        )
+    )
 
 
 def cand(node_id: str, now: float, nproc: int = 1) -> Candidate:

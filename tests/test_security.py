@@ -45,11 +45,12 @@ def test_the_status_table_escapes_what_nodes_sent() -> None:
     from master.status_view import render_status
 
     job = Job(JobSettings(job_id="j", min_nodes=1, max_nodes=1, last_call_s=0.0), now=0.0)
-    job.join(JoinRequest(node_id="a", host="h", nproc=1, store_port=2000, min_nodes=1, max_nodes=1), 0.0)
+    join = JoinRequest(node_id="a", host="h", nproc=1, store_port=2000, min_nodes=1, max_nodes=1)
+    secret = job.join(join, 0.0).node_secret
     job.tick(0.0)
     forged = "disk full\nFAKE [elastic.master] job_succeeded\x1b[2J"
     beat = HeartbeatRequest(node_id="a", round=job.rdzv.round, state=NodeState.RUNNING, persist_error=forged)
-    job.heartbeat(beat, 1.0)
+    job.heartbeat(beat, 1.0, secret)
     table = render_status(job.status(1.0))
     assert "\x1b" not in table
     assert not [line for line in table.splitlines() if line.startswith("FAKE")], table

@@ -9,9 +9,9 @@ flags a test gives count.
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
+import os
 import re
+import signal
 import ssl
 import subprocess
 import time
@@ -22,10 +22,8 @@ from pathlib import Path
 
 import e2e
 import pytest
+from certs import LOCAL_NAMES, CertAuthority, write_cert, write_key
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from e2e import TRAIN_SCRIPT, Proc, base_env, elastic_master_argv, elastic_run_argv, free_port, wait_until
 
 from elastic.client import MasterClient, MasterTLSError
@@ -51,7 +49,7 @@ ONE_LINE_ERROR = re.compile(r"^elastic-(run|master): error: \S.*$")
 @dataclass(frozen=True)
 class Pki:
     """PEM files: ``ca`` signed ``server`` (for 127.0.0.1 and localhost) and ``elsewhere`` (for another
-    host name only); ``other_ca`` signed nothing here."""
+    host name only); ``other_ca`` signed ``rogue`` (for 127.0.0.1 and localhost, as ``server``)."""
 
     ca: Path
     other_ca: Path
@@ -60,95 +58,29 @@ class Pki:
     elsewhere_cert: Path
     elsewhere_key: Path
     encrypted_key: Path
+    rogue_cert: Path
+    rogue_key: Path
     folder: Path
-
-
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-
-def _validity(builder: x509.CertificateBuilder) -> x509.CertificateBuilder:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return builder.not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(
-        now + datetime.timedelta(days=1)
-    )
-
-
-def _make_ca(common_name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    usage = x509.KeyUsage(
-        digital_signature=True,
-        key_cert_sign=True,
-        crl_sign=True,
-        content_commitment=False,
-        key_encipherment=False,
-        data_encipherment=False,
-        key_agreement=False,
-        encipher_only=False,
-        decipher_only=False,
-    )
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(common_name))
-        .issuer_name(_name(common_name))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(usage, critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-    )
-    return key, _validity(builder).sign(key, hashes.SHA256())
-
-
-def _make_server(
-    ca_key: ec.EllipticCurvePrivateKey, ca: x509.Certificate, names: list[x509.GeneralName]
-) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name("elastic-master"))
-        .issuer_name(ca.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-    )
-    issuer = x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())
-    builder = builder.add_extension(issuer, critical=False)
-    return key, _validity(builder).sign(ca_key, hashes.SHA256())
-
-
-def _write_cert(path: Path, cert: x509.Certificate) -> Path:
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return path
-
-
-def _write_key(path: Path, key: ec.EllipticCurvePrivateKey, password: bytes | None = None) -> Path:
-    encryption = serialization.BestAvailableEncryption(password) if password else serialization.NoEncryption()
-    path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
-    )
-    path.chmod(0o600)
-    return path
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     folder = tmp_path_factory.mktemp("pki")
-    ca_key, ca = _make_ca("elastic test CA")
-    _, other_ca = _make_ca("some other CA")
-    local = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    server_key, server = _make_server(ca_key, ca, local)
-    elsewhere_key, elsewhere = _make_server(ca_key, ca, [x509.DNSName("master.elsewhere.example")])
+    authority = CertAuthority.create("elastic test CA")
+    other = CertAuthority.create("some other CA")
+    server_key, server = authority.issue("elastic-master", LOCAL_NAMES)
+    elsewhere_key, elsewhere = authority.issue("elastic-master", [x509.DNSName("master.elsewhere.example")])
+    rogue_cert, rogue_key = other.issue_files(folder, "rogue", "elastic-master", LOCAL_NAMES)
     return Pki(
-        ca=_write_cert(folder / "ca.pem", ca),
-        other_ca=_write_cert(folder / "other-ca.pem", other_ca),
-        server_cert=_write_cert(folder / "server.pem", server),
-        server_key=_write_key(folder / "server.key", server_key),
-        elsewhere_cert=_write_cert(folder / "elsewhere.pem", elsewhere),
-        elsewhere_key=_write_key(folder / "elsewhere.key", elsewhere_key),
-        encrypted_key=_write_key(folder / "encrypted.key", server_key, b"secret"),
+        ca=authority.write(folder / "ca.pem"),
+        other_ca=other.write(folder / "other-ca.pem"),
+        server_cert=write_cert(folder / "server.pem", server),
+        server_key=write_key(folder / "server.key", server_key),
+        elsewhere_cert=write_cert(folder / "elsewhere.pem", elsewhere),
+        elsewhere_key=write_key(folder / "elsewhere.key", elsewhere_key),
+        encrypted_key=write_key(folder / "encrypted.key", server_key, b"secret"),
+        rogue_cert=rogue_cert,
+        rogue_key=rogue_key,
         folder=folder,
     )
 
@@ -185,13 +117,26 @@ def unique_job_id() -> str:
     return f"tls-{uuid.uuid4().hex[:8]}"
 
 
-def start_tls_master(launch, pki: Pki, token_file: Path, job_id: str, nnodes: str) -> tuple[Proc, str]:
+def start_tls_master(
+    launch,
+    pki: Pki,
+    token_file: Path,
+    job_id: str,
+    nnodes: str,
+    *extra: str,
+    port: int = 0,
+    cert: tuple[Path, Path] | None = None,
+    lead: bool = True,
+) -> tuple[Proc, str]:
+    """An https master (``cert``: ``(certificate, key)``, default the CA's server certificate); waits until
+    it listens, and (``lead``) until it leads its job."""
+    cert_file, key_file = cert or (pki.server_cert, pki.server_key)
     master = launch(
         elastic_master_argv(
             "--host",
             "127.0.0.1",
             "--port",
-            "0",
+            str(port),
             "--job-id",
             job_id,
             "--nnodes",
@@ -203,15 +148,17 @@ def start_tls_master(launch, pki: Pki, token_file: Path, job_id: str, nnodes: st
             "--last-call",
             "1",
             "--tls-cert",
-            str(pki.server_cert),
+            str(cert_file),
             "--tls-key",
-            str(pki.server_key),
+            str(key_file),
+            *extra,
         ),
         name="master",
         env=clean_env(),
     )
     port = master.wait_for(r"listening on 127\.0\.0\.1:(\d+) \(https\)", START_S).group(1)
-    master.wait_for(r"leads job", START_S)
+    if lead:
+        master.wait_for(r"leads job", START_S)
     return master, f"127.0.0.1:{port}"
 
 
@@ -395,6 +342,145 @@ def test_tls_failures_are_final_and_another_address_still_answers(pki, embedded)
 def test_the_master_accepts_nothing_older_than_tls_1_2(pki):
     context = server_context(str(pki.server_cert), str(pki.server_key))
     assert context.minimum_version >= ssl.TLSVersion.TLSv1_2
+
+
+# -- a master certificate that stops verifying while the job runs -------------------------------------
+
+TLS_TROUBLE = "TLS with the master failed: the certificate of the master at {address} does not verify"
+
+
+def long_job_agent(
+    launch, address: str, job_id: str, token_file: Path, pki: Pki, master_timeout: float
+) -> Proc:
+    """One node (the whole job) training far longer than the test, verifying the master with the CA."""
+    argv = elastic_run_argv(
+        "--nnodes",
+        "1",
+        "--master",
+        address,
+        "--job-id",
+        job_id,
+        "--token-file",
+        str(token_file),
+        "--node-id",
+        "n0",
+        "--tls-ca",
+        str(pki.ca),
+        "--master-timeout",
+        f"{master_timeout:g}",
+        "--stop-grace",
+        "2",
+        str(TRAIN_SCRIPT),
+        "--steps",
+        "3000",
+        "--step-time",
+        "0.05",
+        "--batch-size",
+        "32",
+    )
+    return launch(argv, "agent", clean_env())
+
+
+def kill_group(proc: Proc) -> None:
+    """SIGKILL a launched master (its process group), and reap it."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_master_certificate_that_stops_verifying_is_reported_at_once_and_ends_the_agent_at_its_timeout(
+    launch, pki, token_file
+):
+    # The master is restarted on the same port with a certificate from a CA the agent does not trust.
+    job_id, port, master_timeout = unique_job_id(), free_port(), 45.0
+    master, address = start_tls_master(launch, pki, token_file, job_id, "1", port=port)
+    agent = long_job_agent(launch, address, job_id, token_file, pki, master_timeout)
+    agent.wait_for(r"^\[rank0\]:step=3 ", START_S)
+    agent.descendants()  # remembered, to check that the workers are gone at the end
+    kill_group(master)
+    start_tls_master(launch, pki, token_file, job_id, "1", port=port, cert=(pki.rogue_cert, pki.rogue_key))
+
+    # Reported at once (heartbeats every 0.5 s), one line, in the agent's log...
+    warning = agent.wait_for(re.escape(TLS_TROUBLE.format(address=address)), 15)
+    # ...while the workers keep training...
+    agent.wait_for(r"^\[rank0\]:step=\d+ ", 30, after=warning.end())
+    # ...until --master-timeout: then a non-zero exit whose last line names the TLS reason.
+    code = agent.wait(master_timeout + EXIT_S)
+    out = agent.output()
+    assert code == 1, out[-4000:]
+    line = assert_one_line_error(
+        out, "does not verify", "unable to get local issuer certificate", "--master-timeout"
+    )
+    assert "no job master answered at" not in line, line
+    assert out.count("TLS with the master failed") == 1, out[-4000:]
+    wait_until(lambda: not agent.survivors(), 15, "the agent's workers to exit")
+
+
+@pytest.mark.slow
+@pytest.mark.etcd
+@pytest.mark.timeout(360)
+def test_a_standby_with_a_bad_certificate_is_reported_and_the_job_goes_on_once_a_good_master_leads(
+    launch, pki, token_file, etcd_endpoint
+):
+    # A standby master serving a certificate from another CA takes over (etcd: the job's state survives),
+    # then a master with a good certificate replaces it: the workers never stop.
+    job_id, port = unique_job_id(), free_port()
+    # No dead verdict while the agent cannot get through (the rogue master would declare the node dead).
+    store = ("--store", f"etcd://{etcd_endpoint}", "--heartbeat-timeout", "60")
+    good, address = start_tls_master(launch, pki, token_file, job_id, "1", *store, port=port)
+    agent = long_job_agent(launch, address, job_id, token_file, pki, MASTER_TIMEOUT_S)
+    agent.wait_for(r"^\[rank0\]:step=3 ", START_S)
+    agent.descendants()
+    kill_group(good)
+    rogue, _ = start_tls_master(
+        launch, pki, token_file, job_id, "1", *store, port=port, cert=(pki.rogue_cert, pki.rogue_key)
+    )
+    warning = agent.wait_for(re.escape(TLS_TROUBLE.format(address=address)), START_S)
+    agent.wait_for(r"^\[rank0\]:step=\d+ ", 30, after=warning.end())
+
+    os.kill(rogue.pid, signal.SIGTERM)  # a clean stop hands the leadership over at once
+    rogue.wait(30)
+    start_tls_master(launch, pki, token_file, job_id, "1", *store, port=port)
+    recovered = agent.wait_for(r"a master answers over verified TLS again", START_S)
+    agent.wait_for(r"^\[rank0\]:step=\d+ ", 30, after=recovered.end())
+    out = agent.output()
+    assert out.count("TLS with the master failed") == 1, out[-4000:]
+    # One worker start: no restart, no rejoin; the job is still in round 1.
+    assert len(re.findall(r"^\[rank0\]:start ", out, re.M)) == 1, out[-4000:]
+    assert "restarting workers" not in out and "no longer knows this node" not in out, out[-4000:]
+    os.kill(agent.pid, signal.SIGTERM)
+    assert agent.wait(60) == 128 + signal.SIGTERM
+    wait_until(lambda: not agent.survivors(), 15, "the agent's workers to exit")
+
+
+@pytest.mark.timeout(10)
+def test_tls_trouble_is_logged_once_until_a_master_answers(caplog: pytest.LogCaptureFixture) -> None:
+    from agent.events import EventLog
+    from agent.tls_trouble import TLSTrouble
+    from elastic.master_errors import MasterTLSError, MasterUnreachableError
+
+    trouble = TLSTrouble(EventLog())
+    bad = MasterTLSError("the certificate of the master at h:1 does not verify: self-signed certificate")
+    with caplog.at_level("INFO", logger="elastic.agent"):
+        for exc in (bad, bad, MasterUnreachableError("no job master answered at h:1"), bad):
+            trouble.failed(exc)
+        # The master being away does not make the TLS reason less of an explanation.
+        assert trouble.reason == str(bad)
+        assert trouble.lost(61.4, 60, ["h:1"]) == (
+            f"{bad}; no job master answered over verified TLS for 61s (--master-timeout 60s)"
+        )
+        trouble.answered()
+        trouble.answered()
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if m.startswith("TLS with the master failed")] == [
+        f"TLS with the master failed: {bad}; the workers keep training, retrying until --master-timeout"
+    ]
+    assert messages.count("a master answers over verified TLS again; the job goes on") == 1
+    assert trouble.reason is None
+    assert trouble.lost(61, 60, ["h:1", "h:2"]) == (
+        "no job master answered for 61s (--master-timeout 60s) at h:1, h:2"
+    )
 
 
 # -- convenience mode: the first agent hosts an https master -------------------------------------------

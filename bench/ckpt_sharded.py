@@ -1,0 +1,203 @@
+"""The ``sharded`` kind of bench/checkpoint.py: ``elastic.save_sharded`` under an agent's shared memory,
+every rank saving its own shard at once, against a copy of the same bytes into a pre-faulted buffer.
+
+    python bench/ckpt_sharded.py RANK WORLD PORT SHM_DIR MB REPEATS OUT_JSON   (one process per rank)
+    python bench/ckpt_sharded.py restore RANK WORLD PORT WORK_DIR MB REPEATS OUT_JSON DISK_DIR
+
+bench/checkpoint.py starts ``WORLD`` rank processes (gloo, one torch thread each, one fake node: a
+shared-memory folder without an agent) and reads rank 0's JSON. Each rank's state is ``MB`` of float32
+in ten DTensors sharded on dim 0 (``DTensor.from_local``): ``MB`` per rank. Steady-state saves recycle
+the double buffer; the first save allocates it (reported). No replication (no agent): its throughput is
+measured apart (bench/ckpt_replication.py).
+
+``restore``: each rank is a node of its own (its own shared-memory folder under ``WORK_DIR``, local rank
+0), after one flash save of ``MB`` per rank; ``elastic.load_sharded`` (median of ``REPEATS``) from
+
+* ``own memory``: every node holds its own shards;
+* ``peer memory``: node 1 was replaced by an empty one; node 0 holds node 1's replica (as the agents'
+  replication leaves it, with its sha256, checked at restore) and sends it over the process group;
+* ``disk``: every node empty; the step persisted to ``DISK_DIR`` by the agents' persist
+  (agent.sharded_persist), its pages evicted from the page cache first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def main() -> None:
+    rank, world, port, shm, megabytes, repeats, out = sys.argv[1:8]
+    os.environ.update(
+        RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, ELASTIC_LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1"
+    )
+    os.environ.update(MASTER_PORT=port, ELASTIC_SHM_DIR=shm)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import elastic
+    from elastic import shard_segments
+
+    torch.set_num_threads(1)
+    elastic.init_process_group()
+    mesh = init_device_mesh("cpu", (int(world),))
+    rows = int(float(megabytes) * 1e6 / 4 / 10 / 1024)
+    locals_ = [torch.randn(rows, 1024) for _ in range(10)]
+    state = {"model": {f"w{i}": DTensor.from_local(t, mesh, [Shard(0)]) for i, t in enumerate(locals_)}}
+    size = sum(t.nbytes for t in locals_)
+    buffer = torch.zeros(size, dtype=torch.uint8)
+
+    def memcpy() -> None:
+        offset = 0
+        for t in locals_:
+            buffer[offset : offset + t.nbytes].copy_(t.view(-1).view(torch.uint8))
+            offset += t.nbytes
+
+    dist.barrier()
+    start = time.perf_counter()
+    elastic.save_sharded(state, 1)
+    first = time.perf_counter() - start
+    # Of which allocating and pre-faulting both halves of the double buffer (this save's segments and
+    # the spares the next save takes).
+    prefault = shard_segments.pool_for(Path(shm) / "sharded").prefault_s
+    saves, copies = [], []
+    for step in range(2, int(repeats) + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        elastic.save_sharded(state, step)
+        saves.append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        memcpy()
+        copies.append(time.perf_counter() - start)
+    if rank == "0":
+        block, base = statistics.median(saves), statistics.median(copies)
+        result = {
+            "kind": "sharded",
+            "bytes": size,
+            "save_block_s": block,
+            "memcpy_s": base,
+            "block_over_memcpy": block / base if base > 0 else None,
+            "save_block_range_s": [min(saves), max(saves)],
+            "memcpy_range_s": [min(copies), max(copies)],
+            "repeats": len(saves),
+            "first_save_s": first,
+            "first_save_prefault_s": prefault,
+            "ranks": int(world),
+            "torch_threads_per_rank": 1,
+        }
+        Path(out).write_text(json.dumps(result))
+    dist.barrier()
+    elastic.destroy_process_group()
+
+
+def _evict(folder: Path) -> None:
+    """Drop a folder's files from the page cache (they are fsynced, so their pages are clean)."""
+    for path in folder.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def restore_main() -> None:
+    rank, world, port, work, megabytes, repeats, out, disk = sys.argv[2:10]
+    work_dir, disk_dir = Path(work), Path(disk)
+    own = work_dir / f"node{rank}"
+    own.mkdir(parents=True, exist_ok=True)
+    os.environ.update(RANK=rank, WORLD_SIZE=world, LOCAL_RANK="0", ELASTIC_LOCAL_RANK="0")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, ELASTIC_SHM_DIR=str(own))
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import elastic
+    from agent import sharded_persist
+    from elastic import shard_layout as sl
+
+    torch.set_num_threads(1)
+    elastic.init_process_group()
+    mesh = init_device_mesh("cpu", (int(world),))
+    rows = int(float(megabytes) * 1e6 / 4 / 10 / 1024)
+
+    def state(fill: bool) -> dict:
+        make = torch.randn if fill else torch.zeros
+        return {"model": {f"w{i}": DTensor.from_local(make(rows, 1024), mesh, [Shard(0)]) for i in range(10)}}
+
+    elastic.save_sharded(state(True), 1)
+    step, save_id, data = sl.committed(own / sl.SHARDED_SUBDIR)[0]
+    sharded_persist.persist(
+        data,
+        disk_dir / sl.SHARDED_SUBDIR,
+        step=step,
+        save_id=save_id,
+        round_=1,
+        keep=2,
+        copy=shutil.copyfileobj,
+    )
+    if rank == "1":  # node 0 keeps node 1's replica, as the agents' replication leaves it
+        held = work_dir / "node0" / sl.REPLICAS_SUBDIR / "node1" / sl.SHARDED_SUBDIR
+        held.mkdir(parents=True)
+        tmp = held / sl.tmp_dir_name(step, save_id)
+        shutil.copytree(data, tmp)
+        sl.write_json(tmp / sl.HASHES, {p.name: sl.sha256_file(p) for p in tmp.iterdir() if p.is_file()})
+        sl.commit(held, tmp, step, save_id)
+    dist.barrier()
+
+    def timed(setup) -> list[float]:
+        times = []
+        for i in range(int(repeats)):
+            setup(i)
+            target = state(False)
+            dist.barrier()
+            started = time.perf_counter()
+            if elastic.load_sharded(target) != step:
+                raise RuntimeError("the restore did not load the saved step")
+            times.append(time.perf_counter() - started)
+        os.environ["ELASTIC_SHM_DIR"] = str(own)
+        os.environ.pop("ELASTIC_CKPT_DIR", None)
+        return times
+
+    def fresh(i: int, who: set[str]) -> None:
+        if rank in who:
+            empty = work_dir / f"empty{rank}-{i}"
+            empty.mkdir()
+            os.environ["ELASTIC_SHM_DIR"] = str(empty)
+
+    def from_disk(i: int) -> None:
+        fresh(i + 1000, {"0", "1"})
+        os.environ["ELASTIC_CKPT_DIR"] = str(disk_dir)
+        _evict(disk_dir / sl.SHARDED_SUBDIR / sl.data_dir_name(step, save_id))
+
+    results = {
+        "own_memory_s": timed(lambda i: None),
+        "peer_memory_s": timed(lambda i: fresh(i, {"1"})),
+        "disk_s": timed(from_disk),
+    }
+    if rank == "0":
+        size = rows * 1024 * 4 * 10
+        Path(out).write_text(json.dumps({"bytes": size, "ranks": int(world), **results}))
+    dist.barrier()
+    elastic.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "restore":
+        restore_main()
+    else:
+        main()
