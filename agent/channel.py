@@ -5,7 +5,8 @@ the last step, when it last advanced, recent step times and the newest checkpoin
 reports are also passed to an optional ``on_checkpoint(local_rank, step, location, persist_to)``
 callback (the checkpoint keeper), called on the receiving thread: it must not block. A report that
 carries the worker's round (``rd``, from ``ELASTIC_ROUND``) passes it as ``round_number=``, which
-fences the keeper's persist; reports of workers that do not send it call the callback without it.
+fences the keeper's persist; reports of workers that do not send it call the callback without it. A
+checkpoint report that carries the save's duration (``sv``, seconds) adds it to :attr:`save_latency`.
 
 Workers send checkpoint reports with a blocking send (see :mod:`elastic.report`): while this thread
 is stalled they wait in the kernel's queue instead of being dropped.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import statistics
@@ -24,6 +26,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from agent.latency import LatencyHistogram
 
 RECENT_STEPS = 20
 
@@ -66,6 +70,8 @@ class ProgressChannel:
         self._sock.bind(self.path)
         self._lock = threading.Lock()
         self._ranks: dict[int, RankProgress] = {}
+        #: Durations of the workers' checkpoint saves (in memory), as they reported them.
+        self.save_latency = LatencyHistogram()
         self._closed = False
         self._thread = threading.Thread(target=self._receive, name="progress-channel", daemon=True)
         self._thread.start()
@@ -117,9 +123,13 @@ class ProgressChannel:
                 location, persist_to = str(message.get("loc") or ""), str(message.get("dir") or "")
                 compute = float(message["b"]) if "b" in message else None
                 fence = {"round_number": int(message["rd"])} if "rd" in message else {}
+                save_s = float(message["sv"]) if kind == "ckpt" and "sv" in message else None
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue  # a malformed datagram is dropped; workers cannot break the agent
-            if self._apply(rank, kind, step, compute) and kind == "ckpt" and self._on_checkpoint is not None:
+            current = self._apply(rank, kind, step, compute)
+            if current and save_s is not None and math.isfinite(save_s) and save_s >= 0:
+                self.save_latency.observe(save_s)
+            if current and kind == "ckpt" and self._on_checkpoint is not None:
                 try:
                     self._on_checkpoint(rank, step, location, persist_to, **fence)
                 except Exception:  # a failing callback must not stop progress reports

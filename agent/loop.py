@@ -32,6 +32,7 @@ from agent.loop_state import NodeUnknownError as _NodeUnknownError
 from agent.loop_state import NodeView as _NodeView
 from agent.loop_state import QueuedEvent as _Event
 from agent.net import free_port
+from agent.proc_start import last_created_at
 from agent.progress import ProgressReporter, sample_agent
 from agent.settings import AgentSettings
 from agent.signals import SignalRouter
@@ -218,11 +219,16 @@ class ElasticAgent(HealthMixin):
         )
         self.assignment = assignment
         self._start_workers(assignment, generation)
+        pids = list(self.group.pids)
+        returned = time.monotonic()
+        # The kernel's creation time of the last worker, not the start call's return (bookkeeping after
+        # the fork): where the master's recovery phase ``restart`` ends.
+        created = last_created_at(pids)
         self.view = _NodeView(
             state=NodeState.RUNNING,
             round=assignment.round,
-            pids=list(self.group.pids),
-            started_at=time.monotonic(),
+            pids=pids,
+            started_at=min(created, returned) if created is not None else returned,
         )
         threading.Thread(
             target=self._watch, args=(generation, assignment.round), name="watch", daemon=True

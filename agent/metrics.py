@@ -1,9 +1,10 @@
 """An agent's own Prometheus metrics: ``elastic-run --metrics-port PORT`` serves ``GET /metrics``.
 
 What the master cannot see, or sees only through heartbeats: this node's workers by state, the worker
-restarts this agent made, its step and step time, and its checkpoint persists (requests, latency, the
-queue, failures). Every family is named ``elastic_agent_*`` and carries the labels ``job_id`` and
-``node`` (the ``--node-id``), so that one Prometheus job can scrape every agent of many jobs. The figures
+restarts this agent made, its step and step time, its workers' checkpoint saves (latency) and its
+checkpoint persists (requests, latency, the queue, failures). Every family is named ``elastic_agent_*``
+and carries the labels ``job_id`` and ``node`` (the ``--node-id``), so that one Prometheus job can scrape
+every agent of many jobs. The figures
 are read from the agent's state when Prometheus scrapes (a custom collector), never updated per step;
 counters count what *this agent process* did and start from zero in a new one. The list with meanings:
 docs/observability.md.
@@ -29,7 +30,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 from agent.events import EventLog
@@ -157,6 +164,15 @@ class AgentCollector(Collector):
             "Newest step this node made durable on disk.",
             sample.persisted_step,
         )
+        saves = agent.channel.save_latency.sample()
+        save_latency = self._family(
+            HistogramMetricFamily,
+            "elastic_agent_checkpoint_save_seconds",
+            "Time of the local workers' checkpoint saves, from elastic.save's call to the checkpoint being "
+            "complete in memory (as the workers report them).",
+        )
+        save_latency.add_metric(self.labels, list(saves.buckets), saves.total)
+        yield save_latency
         keeper = agent.keeper
         if keeper is not None:
             yield from self._keeper_metrics(keeper)

@@ -6,7 +6,8 @@ its shards on a survivor), agent to agent over TCP, never through the master.
 ``--replicas`` (default 1, at most nodes - 1). The master hands each agent its targets' endpoints in its
 heartbeat replies (soft state, from the targets' own heartbeats).
 
-**Wire** (one connection per push; TLS when the agent serves the master API with a certificate):
+**Wire** (one connection per push; TLS on both sides exactly when the agent has ``--tls-cert/--tls-key``,
+see :func:`tls_contexts`):
 
 1. the receiver sends ``{"nonce": hex}``; the sender answers ``{"job", "node", "mac"}`` with
    ``mac = HMAC-SHA256(job token, nonce|job|node)`` (the token never crosses the wire); the receiver
@@ -56,6 +57,11 @@ DEFAULT_LAG_BOUND = 1
 _CHUNK = 4 << 20
 _LINE_MAX = 1 << 20  # a JSON line of the protocol (a file list of thousands of ranks fits)
 _IO_TIMEOUT_S = 60.0
+#: The one TLS rule of replication, quoted where a handshake or greeting fails (docs/security.md).
+TLS_RULE = (
+    "replication uses TLS exactly when the agent has --tls-cert/--tls-key (verifying peers with --tls-ca): "
+    "give every agent of the job the same TLS options"
+)
 _RETRY_S = 0.5
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 
@@ -370,7 +376,11 @@ class Replicator:
         host, _, port = target.rpartition(":")
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=_IO_TIMEOUT_S)
         if self.tls is not None:
-            sock = self.tls.wrap_socket(sock, server_hostname=host.strip("[]"))
+            try:
+                sock = self.tls.wrap_socket(sock, server_hostname=host.strip("[]"))
+            except ssl.SSLError as exc:
+                sock.close()
+                raise ReplicationError(f"TLS handshake failed ({exc.reason or exc}); {TLS_RULE}") from None
         return sock
 
     def _push(self, target: str, step: int, save_id: str, data: Path) -> None:
@@ -387,7 +397,11 @@ class Replicator:
                     raise ReplicationError(f"step {step} was replaced in memory during its push") from None
             sock = stack.enter_context(self._connect(target))
             reader = _Reader(sock)
-            nonce = reader.line().get("nonce")
+            try:
+                nonce = reader.line().get("nonce")
+            except (OSError, ValueError) as exc:  # a TLS listener waits for a handshake this side never sends
+                hint = f"; {TLS_RULE}" if self.tls is None else ""
+                raise ReplicationError(f"no greeting from the peer ({exc}){hint}") from None
             if not isinstance(nonce, str):
                 raise ReplicationError("malformed greeting")
             _send_line(
@@ -437,6 +451,25 @@ class Replicator:
             raise ReplicationError(f"the peer refused {what}: {reply.get('error', 'no reason given')}")
 
 
+def tls_contexts(
+    tls_cert: str | None, tls_key: str | None, tls_ca: str | None
+) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """``(listener's, sender's)`` TLS contexts under the one rule (:data:`TLS_RULE`): both when the agent
+    has a certificate and key, neither otherwise (an agent with only ``--tls-ca`` verifies the master,
+    and its peers' listeners, lacking certificates, speak plain TCP).
+
+    Raises:
+        TLSConfigError: a file cannot be used, or a certificate is given without a CA to verify peers.
+    """
+    from elastic.tls import TLSConfigError, client_context, server_context
+
+    if not (tls_cert and tls_key):
+        return None, None
+    if not tls_ca:
+        raise TLSConfigError("replication over TLS (--tls-cert/--tls-key) needs --tls-ca to verify peers")
+    return server_context(tls_cert, tls_key), client_context(tls_ca)
+
+
 def attach(keeper, settings) -> None:  # noqa: ANN001 - agent.ckpt_keeper / agent.settings (no cycle)
     """Start peer replication for ``keeper``'s folder per the agent's settings (``--replicas`` 0: off).
 
@@ -449,14 +482,12 @@ def attach(keeper, settings) -> None:  # noqa: ANN001 - agent.ckpt_keeper / agen
     from agent.errors import EXIT_CONFIG, AgentError
     from elastic.auth import derived_token
     from elastic.listener_rules import ListenerRuleError
-    from elastic.tls import TLSConfigError, client_context, server_context
+    from elastic.tls import TLSConfigError
 
     host = settings.local_addr or "127.0.0.1"
     auth = Auth.DERIVED if settings.token == derived_token(settings.job.job_id) else Auth.SECRET
     try:
-        served = None
-        if settings.tls_cert and settings.tls_key:
-            served = server_context(settings.tls_cert, settings.tls_key)
+        served, client = tls_contexts(settings.tls_cert, settings.tls_key, settings.tls_ca)
         keeper.replica_server = ReplicaServer(
             keeper.folder, settings.job.job_id, settings.token, host, tls=served, auth=auth
         ).start()
@@ -474,5 +505,5 @@ def attach(keeper, settings) -> None:  # noqa: ANN001 - agent.ckpt_keeper / agen
         replicas=settings.replicas,
         lag_bound=settings.replication_lag,
         bandwidth=settings.replication_bandwidth * 1e6,
-        tls=client_context(settings.tls_ca) if settings.tls_ca else None,
+        tls=client,
     ).start()

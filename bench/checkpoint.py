@@ -248,20 +248,8 @@ def bench_replicated(megabytes: float, repeats: int, work: Path) -> tuple[list[R
         rows.append(Row(megabytes, "disk save (torch.save+fsync+rename)", v0, size))
     finally:
         env.close()
-    block, base = statistics.median(flash), statistics.median(memcpy)
-    result = {
-        "kind": "replicated",
-        "bytes": size,
-        "save_block_s": block,
-        "memcpy_s": base,
-        "block_over_memcpy": block / base if base > 0 else None,
-        "save_block_range_s": [min(flash), max(flash)],
-        "memcpy_range_s": [min(memcpy), max(memcpy)],
-        "repeats": len(flash),
-        "first_save_s": first,
-        "first_save_prefault_s": first_stats.prefault_s,
-        "first_save_fresh_bytes": first_stats.fresh_bytes,
-    }
+    result = common.save_block_result("replicated", size, flash, memcpy, first, first_stats.prefault_s)
+    result["first_save_fresh_bytes"] = first_stats.fresh_bytes
     return rows, result
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench import common  # noqa: E402 - after the path insertion above
 
 
 def main() -> None:
@@ -81,21 +82,8 @@ def main() -> None:
         memcpy()
         copies.append(time.perf_counter() - start)
     if rank == "0":
-        block, base = statistics.median(saves), statistics.median(copies)
-        result = {
-            "kind": "sharded",
-            "bytes": size,
-            "save_block_s": block,
-            "memcpy_s": base,
-            "block_over_memcpy": block / base if base > 0 else None,
-            "save_block_range_s": [min(saves), max(saves)],
-            "memcpy_range_s": [min(copies), max(copies)],
-            "repeats": len(saves),
-            "first_save_s": first,
-            "first_save_prefault_s": prefault,
-            "ranks": int(world),
-            "torch_threads_per_rank": 1,
-        }
+        result = common.save_block_result("sharded", size, saves, copies, first, prefault)
+        result |= {"ranks": int(world), "torch_threads_per_rank": 1}
         Path(out).write_text(json.dumps(result))
     dist.barrier()
     elastic.destroy_process_group()

@@ -409,6 +409,27 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x"
 
 
+def save_block_result(
+    kind: str, size: int, saves: Sequence[float], copies: Sequence[float], first: float, prefault: float
+) -> dict[str, object]:
+    """The JSON of a flash-save measurement (bench/checkpoint.py, bench/ckpt_sharded.py): how long a save
+    blocked training against a plain copy of the same ``size`` bytes (medians, ranges), and the first save
+    (``first`` seconds, ``prefault`` of them allocating and pre-faulting its buffers)."""
+    block, base = statistics.median(saves), statistics.median(copies)
+    return {
+        "kind": kind,
+        "bytes": size,
+        "save_block_s": block,
+        "memcpy_s": base,
+        "block_over_memcpy": block / base if base > 0 else None,
+        "save_block_range_s": [min(saves), max(saves)],
+        "memcpy_range_s": [min(copies), max(copies)],
+        "repeats": len(saves),
+        "first_save_s": first,
+        "first_save_prefault_s": prefault,
+    }
+
+
 def before_after(medians: dict[str, float | None], baseline: str, what: str) -> list[str]:
     """The issue-8 before/after line: elastic-run with exec'd workers (before) and with warm starts
     (after), each against ``baseline``, from the medians of one run; nothing if a tool did not run."""

@@ -17,13 +17,17 @@ first_step                         the last new worker process created -> every 
 total                              kill -> every rank's first step line
 ================================  =========================================================
 
-The check is on the total, which both measure from the same moments: the event log starts at the exit
-the agent's watcher thread saw (milliseconds after the kill) and ends when the agent received the last
-worker's first step report (sent right after its ``step`` line). The split at "workers created" is shown
-but not checked: the event log's "started" is when the agent's start call returned (with warm starts,
-after the zygote's fork *and* its hand-shake with the agent), carried to the master as an age in the next
-heartbeat (whose transit counts too), so under load it differs from the kernel's fork time by tens of
-milliseconds without anything being wrong.
+Every row is checked. Both sides date "workers created" from the same record: the agent reports as its
+workers' start the kernel's creation time of the last one (``agent.proc_start``, the same
+``/proc/PID/stat`` field the benchmark reads), not the moment its start call returned (with warm starts
+that is after the zygote's fork *and* its hand-shake with the agent, tens of milliseconds later under
+load). What still differs, by a few milliseconds on an idle host: the event log's ``detect`` starts at the
+exit the agent's watcher thread saw (after the kill), and the master turns each moment the agent reports
+as an age into its own time on the heartbeat's arrival, so each boundary is late by that heartbeat's
+transit (the transits of the failure report, the heartbeat after the start and the one after the first
+steps partly cancel in the differences). On a host loaded far beyond its cores (the master, the agent
+and the workers waiting for a CPU) a transit can reach tens of milliseconds and a row of a single run
+can then miss the 30 ms.
 """
 
 from __future__ import annotations
@@ -40,8 +44,8 @@ TOLERANCE_ABS = 0.030
 PHASES = ("detect", "rendezvous", "restart", "first_step")
 #: (name, event-log phases summed, the benchmark's own interval, checked) per compared row.
 MAPPING = (
-    ("detect+rendezvous+restart", ("detect", "rendezvous", "restart"), "kill -> workers created", False),
-    ("first_step", ("first_step",), "workers created -> every rank stepped", False),
+    ("detect+rendezvous+restart", ("detect", "rendezvous", "restart"), "kill -> workers created", True),
+    ("first_step", ("first_step",), "workers created -> every rank stepped", True),
     ("total", ("total",), "kill -> every rank stepped", True),
 )
 
@@ -80,7 +84,7 @@ def agrees(event_log: float, bench: float) -> bool:
 
 def compare(durations: dict[str, float], to_created: float, to_stepped: float) -> list[dict]:
     """One row per :data:`MAPPING` entry: ``{"what", "event_log", "bench", "agrees", "checked"}`` (seconds;
-    ``checked``: the row is part of the check, the others are shown for information)."""
+    ``checked``: the row is part of the check; a row shown for information only would say False)."""
     bench = {
         "kill -> workers created": to_created,
         "workers created -> every rank stepped": to_stepped - to_created,

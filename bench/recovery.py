@@ -279,8 +279,7 @@ def phase_report(tools: list[c.Tool], results: list[Outcome]) -> list[str]:
         "",
         "The event log against the benchmark's own timings (kill; the kernel's creation time of the new "
         f"workers; their first step lines), agreeing within max({ph.TOLERANCE_REL:.0%}, "
-        f"{ph.TOLERANCE_ABS * 1000:.0f} ms); the check is the total, the split is shown for information "
-        "(why: bench/phases.py):",
+        f"{ph.TOLERANCE_ABS * 1000:.0f} ms), per phase and in total (the mapping: bench/phases.py):",
         "",
         c.table(
             ["event log vs benchmark", "event log (s)", "benchmark (s)", "worst diff (ms)", "agree"],

@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -244,6 +245,7 @@ def _flash_save(
     persist: bool,
 ) -> Path | None:
     global _warned_memory_only
+    began = time.monotonic()  # the save's latency, reported to the agent (its checkpoint-save metric)
     writes = _node_local_rank() == 0
     path = shm_dir / layout.step_file_name(step) if writes else None
     # A location asks the agent to persist the file: only one node does, the others keep memory copies.
@@ -264,7 +266,10 @@ def _flash_save(
         return None
     # Reported once the file is visible: at the return, or later for device state (async copies).
     return _write_memory_checkpoint(
-        state, step, shm_dir, lambda: report_checkpoint(step, location, persist_to)
+        state,
+        step,
+        shm_dir,
+        lambda: report_checkpoint(step, location, persist_to, save_s=time.monotonic() - began),
     )
 
 

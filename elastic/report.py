@@ -141,15 +141,22 @@ def report_done() -> None:
     _send({"k": "done", "step": _last[0] if _last is not None else 0})
 
 
-def report_checkpoint(step: int, location: str = "", persist_to: str = "") -> None:
+def report_checkpoint(
+    step: int, location: str = "", persist_to: str = "", *, save_s: float | None = None
+) -> None:
     """Tell the agent this worker holds a complete checkpoint of ``step`` (feeds the committed step).
 
     ``location``: the checkpoint file in the agent's shared memory, when the agent should persist it;
-    ``persist_to``: the folder to persist it to (default: the agent's ``--ckpt-dir``). Waits for room in
-    the agent's queue, at most :data:`CKPT_SEND_TIMEOUT_S` (then the report is dropped with a warning)."""
+    ``persist_to``: the folder to persist it to (default: the agent's ``--ckpt-dir``); ``save_s``: how
+    long the save took, from the call to the checkpoint being complete in memory (the agent's
+    ``elastic_agent_checkpoint_save_seconds``; an agent that predates it ignores the field). Waits for
+    room in the agent's queue, at most :data:`CKPT_SEND_TIMEOUT_S` (then the report is dropped with a
+    warning)."""
     message: dict = {"k": "ckpt", "step": int(step), "loc": location}
     if persist_to:
         message["dir"] = persist_to
+    if save_s is not None:
+        message["sv"] = round(max(0.0, float(save_s)), 6)
     with contextlib.suppress(KeyError, ValueError):  # the round fences the agent's persist (agent.ckpt_fence)
         message["rd"] = int(os.environ[ROUND_ENV])
     _send(message, reliable=True)

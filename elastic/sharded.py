@@ -15,9 +15,11 @@ Before it writes, a save waits while the node's replication lags more than the a
 
 :func:`load_sharded` restores the newest step whose files the job holds *somewhere*: each node lists
 what it holds (its own memory, the replicas it keeps for peers, checked against their sha256, and the
-disk folder); the ranks exchange the lists (int64 collectives), pick the newest complete step, and every
-file a node lacks is sent to it over the process group by the lowest rank that holds it; then ``dcp.load``
-reads the node's assembled folder, re-sharding to the current world.
+disk folder); the ranks exchange the lists (int64 collectives) and pick the newest complete step. Each rank
+plans its DCP reads; a node receives only the files its ranks read and it lacks, point to point from a
+rank that holds each (:mod:`elastic.shard_restore`): at an unchanged world size with every node holding its
+own shards nothing moves. Then ``dcp.load`` reads the node's assembled folder, re-sharding to the current
+world.
 
 **Without an agent** every rank writes its shards to ``<ckpt_dir>/sharded`` (a folder all ranks share)
 and global rank 0 commits it once all have written.
@@ -64,6 +66,13 @@ _RESTORE_SUBDIR = "restore"
 _MISSING = -1
 _saved: list[int] = []  # steps this process saved into shared memory, oldest first (a few)
 _previous: tuple[Path, int, str] | None = None  # (root, step, save id) of this process's last save
+_received = 0  # bytes this process received from other nodes in its last load_sharded
+
+
+def last_restore_received_bytes() -> int:
+    """Bytes of shard files this process received from other nodes in its last :func:`load_sharded`
+    (0 when its node held every file its ranks read)."""
+    return _received
 
 
 def _distributed() -> bool:
@@ -365,6 +374,8 @@ def load_sharded(
     """
     import torch.distributed.checkpoint as dcp
 
+    global _received
+    _received = 0
     shm_text = os.environ.get(SHM_DIR_ENV)
     shm = Path(shm_text) if shm_text and Path(shm_text).is_dir() else None
     folder = ckpt_dir or os.environ.get(CKPT_DIR_ENV) or None
@@ -393,18 +404,13 @@ def load_sharded(
     save_id = sl.save_id_str(sid_int)
     mine = held.get((chosen, save_id), {})
     manifest = next((m for p in mine.values() if (m := sl.read_manifest(p.parent)) is not None), None)
-    bad = [why for p in mine.values() if sl.file_id(p.name) is not None and (why := _verify_replica(p))]
-    if _any(bool(bad), world):
-        why = "; ".join(bad or ["on another node"])
-        raise CheckpointError(f"a replica of the sharded checkpoint of step {chosen} is damaged: {why}")
-    path = _assemble(chosen, save_id, mine, manifest, shm, world)
+    path, assembled = _assemble(state, chosen, save_id, mine, manifest, shm, world)
     try:
         dcp.load(state, checkpoint_id=path)
     finally:
         _barrier()
-        assembled = path.parent.name == _RESTORE_SUBDIR and _node_local_rank() == 0
-        if assembled or path.parent.name.startswith("elastic-restore-"):
-            shutil.rmtree(path.parent, ignore_errors=True)
+        if assembled:
+            shutil.rmtree(path.parent if path.parent.name.startswith("elastic-restore-") else path, True)
     if shm is not None and _node_local_rank() == 0:
         sl.prune(shm / SHARDED_SUBDIR, MEMORY_KEEP, newest=chosen)  # newer saves were a rolled-back run
     log.info("restored the sharded checkpoint of step %d", chosen)
@@ -423,17 +429,23 @@ def _any(flag: bool, world: int) -> bool:
 
 
 def _assemble(
+    state: dict[str, Any],
     step: int,
     save_id: str,
     mine: dict[str, Path],
     manifest: dict[str, int] | None,
     shm: Path | None,
     world: int,
-) -> Path:
-    """A folder holding every file of the step on this node: links to what it holds, and the files it
-    lacks received from the lowest rank holding each. Every rank calls it (the sends are collectives)."""
-    # Which files every rank lacks or holds is known from the exchange; re-derive it per file name.
-    names = sorted(manifest) if manifest is not None else []
+) -> tuple[Path, bool]:
+    """The folder ``dcp.load`` reads on this node, and whether this rank assembled it (and removes it).
+
+    A node that holds the whole step in one folder reads it there. Any other node assembles, in a folder
+    of its own, links to the files it holds and the files it lacks, received from a rank that holds
+    each, but only the files its ranks' load plans read (:mod:`elastic.shard_restore`). Every rank
+    calls it (collectives); replicas are checked against their sha256 where read or sent.
+    """
+    from elastic import shard_restore as sr
+
     lists = _gather(_encode({(step, save_id): mine}), world)
     holders: dict[int, list[int]] = {}
     metadata_holders = []
@@ -449,32 +461,52 @@ def _assemble(
     manifest_bytes = collectives.broadcast_bytes(
         json.dumps(manifest).encode() if manifest is not None else None, src=metadata_holders[0]
     )
-    assert manifest_bytes is not None
-    names = sorted(json.loads(manifest_bytes))
-    everything = [sl.METADATA, *names]
+    if manifest_bytes is None:
+        raise CheckpointError(f"the manifest of the sharded checkpoint of step {step} is missing")
+    names = {fid: n for n in json.loads(manifest_bytes) if (fid := sl.file_id(n)) is not None}
+    everything = [sl.METADATA, *names.values()]
     folders = {mine[n].parent for n in everything if n in mine}
     whole = len(folders) == 1 and all(n in mine for n in everything)  # one folder holds it all
-    target = folders.pop() if whole else _restore_dir(shm, step, save_id)
-    writes = not whole and (_node_local_rank() == 0 or shm is None)
+    keys = [flat[0] for flat in _gather([sr.node_key(shm)], world)]
+    rank = _rank()
+    writer_of = sr.writers(keys)
+    writes = not whole and writer_of[rank] == rank
+    target = next(iter(folders)) if whole else _restore_dir(shm, step, save_id)
     if writes:
         shutil.rmtree(target, ignore_errors=True)
         target.mkdir(parents=True)
-    rank = _rank()
-    for name in everything:
-        fid = sl.file_id(name)
-        owners = metadata_holders if fid is None else holders.get(fid, [])
-        source = mine.get(name)
-        if writes and source is not None:
-            _link_or_copy(source, target / name)
-        if len(set(owners)) == world:
-            continue  # every rank holds it
-        data = collectives.broadcast_bytes(
-            source.read_bytes() if rank == min(owners) and source is not None else None, src=min(owners)
-        )
-        if writes and source is None and data is not None:
-            (target / name).write_bytes(data)
-    _barrier()  # local rank 0 has written everything before anyone reads
-    return target
+        if sl.METADATA in mine:
+            _link_or_copy(mine[sl.METADATA], target / sl.METADATA)
+    if len(set(metadata_holders)) < max(world, 1):  # small: to every rank, the ones that lack it write it
+        owner = min(metadata_holders)
+        data = collectives.broadcast_bytes(mine[sl.METADATA].read_bytes() if rank == owner else None, owner)
+        if writes and sl.METADATA not in mine and data is not None:
+            (target / sl.METADATA).write_bytes(data)
+    _barrier()  # the metadata is in place: each rank plans its reads from it
+    reads = sr.files_read(state, target)
+    read_ids = sorted(names) if reads is None else sorted(f for f, n in names.items() if n in reads)
+    needs = sr.node_needs([[f for f in got if f >= 0] for got in _gather(read_ids, world)], writer_of)
+    transfers = sr.plan_transfers(needs, holders)
+    # The node's writer checks the replicas its node reads, a sender those it sends.
+    node_reads = needs.get(rank, ()) if writer_of[rank] == rank else ()
+    checked = {names[f] for f in node_reads if names[f] in mine}
+    checked |= {names[t.file] for t in transfers if t.src == rank}
+    bad = [why for n in sorted(checked) if (why := _verify_replica(mine[n]))]
+    if _any(bool(bad), world):
+        if writes:
+            shutil.rmtree(target, ignore_errors=True)
+        why = "; ".join(bad or ["on another node"])
+        raise CheckpointError(f"a replica of the sharded checkpoint of step {step} is damaged: {why}")
+    if writes:
+        for fid in sorted(needs.get(rank, ())):
+            if names[fid] in mine:
+                _link_or_copy(mine[names[fid]], target / names[fid])
+    global _received
+    received = _received = sr.run_transfers(transfers, rank, names, mine, target)
+    if received:
+        log.info("received %.1f MiB of step %d's shards from other nodes", received / (1 << 20), step)
+    _barrier()  # every node's writer has its files before anyone reads
+    return target, writes
 
 
 def _restore_dir(shm: Path | None, step: int, save_id: str) -> Path:

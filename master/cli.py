@@ -135,10 +135,16 @@ def cli(ctx: click.Context, **opts) -> None:
         token = _resolve_token(opts["token_file"])
     except (TokenError, OSError) as exc:
         raise click.UsageError(str(exc)) from None
+    from master.fault_hook import tick_fault_from_env
     from master.server import bind_socket, serve_forever  # web stack only when serving
     from master.store import StoreError
     from master.store_factory import check_store, open_store, read_password_file
+    from master.supervision import MasterFailure
 
+    try:
+        tick_fault_s = tick_fault_from_env()  # the test hook (master/fault_hook.py)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     settings = ServerSettings(
         job=job,
         token=token,
@@ -169,7 +175,11 @@ def cli(ctx: click.Context, **opts) -> None:
     # The plain line is unchanged (scripts and tests match it to its end); TLS adds a suffix.
     log.info("listening on %s:%d%s", host, port, " (https)" if settings.tls_cert else "")
     settings, metrics_sock = bind_metrics(settings, opts["metrics_port"], bind_socket)
-    serve_forever(settings, sock, open_store(settings.store_url, job.job_id, password=password), metrics_sock)
+    store = open_store(settings.store_url, job.job_id, password=password)
+    try:
+        serve_forever(settings, sock, store, metrics_sock, tick_fault_s=tick_fault_s)
+    except MasterFailure as exc:  # it resigned already: a standby or the process supervisor takes over
+        raise click.ClickException(str(exc)) from None
 
 
 @cli.command()

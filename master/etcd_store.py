@@ -42,7 +42,7 @@ from aetcd import rpc
 from aetcd.rtypes import EventKind
 
 from elastic.tls import speaks_tls
-from master.store import Snapshot, StateStore, StoreError
+from master.store import Snapshot, StateFormatError, StateStore, StoreError
 
 log = logging.getLogger("elastic.master.etcd")
 
@@ -434,8 +434,9 @@ class EtcdStore(StateStore):
         try:
             return json.loads(kv.value)
         except ValueError as exc:
-            raise StoreError(
-                f"the state of job {self.job_id} in etcd ({self.state_key.decode()}) is not JSON: {exc}"
+            raise StateFormatError(
+                f"cannot continue job {self.job_id}: its stored state ({self.state_location}) is not JSON: "
+                f"{exc}; fix or delete that key"
             ) from None
 
     async def save(self, snapshot: Snapshot) -> None:
@@ -464,6 +465,10 @@ class EtcdStore(StateStore):
             raise StoreError(
                 f"refused to save the state of job {self.job_id}: this master no longer leads it"
             )
+
+    @property
+    def state_location(self) -> str:
+        return f"etcd key {self.state_key.decode()} at {self.endpoint}"
 
     async def leader_hint(self) -> str | None:
         try:

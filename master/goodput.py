@@ -8,7 +8,10 @@ progress, a lost node's last heartbeat), at a round opened for a membership chan
 ``goodput = training time / wall time``. Rendezvous, restarts, restores, the first step of every round
 and the time a broken world took to be detected all count as lost. The same figures can be recomputed
 from the event log: the events that start or stop training carry ``data.training`` (``started`` or
-``stopped``) and the exact moment in ``data.training_at``.
+``stopped``) and the exact moment in ``data.training_at``. A ``stopped`` mark while training is already
+stopped moves the end of the last training period back to its ``training_at`` (never before that period's
+start): the world turned out to have broken earlier than first known (a worker failure that followed a
+node's loss: training stopped at the lost node's last heartbeat, :meth:`GoodputAccount.stop_earlier`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ class GoodputAccount:
     training_s: float = 0.0
     training_since: float | None = None  # set while a full world is stepping
     ended_at: float | None = None
+    #: The last finished training period (start, end), which :meth:`stop_earlier` may shorten.
+    last_period: tuple[float, float] | None = None
 
     @property
     def training(self) -> bool:
@@ -42,8 +47,23 @@ class GoodputAccount:
         if self.training_since is None:
             return False
         self.training_s += max(0.0, at - self.training_since)
+        self.last_period = (self.training_since, max(at, self.training_since))
         self.training_since = None
         return True
+
+    def stop_earlier(self, at: float) -> float | None:
+        """The last training period ended at ``at``, not when :meth:`stop` said (the world is found to have
+        broken earlier). Returns the period's new end (``at``, but not before the period began), or None
+        when nothing changes: training runs, no period ended yet, or it did not end after ``at``."""
+        if self.training_since is not None or self.last_period is None:
+            return None
+        began, ended = self.last_period
+        new_end = max(at, began)
+        if new_end >= ended:
+            return None
+        self.training_s -= ended - new_end
+        self.last_period = (began, new_end)
+        return new_end
 
     def end(self, at: float) -> None:
         """The job ended: training stops and the wall time stops growing."""
@@ -69,6 +89,7 @@ class GoodputAccount:
             "training_s": self.training_s,
             "training_since": self.training_since,
             "ended_at": self.ended_at,
+            "last_period": list(self.last_period) if self.last_period is not None else None,
         }
 
     @classmethod
@@ -76,9 +97,11 @@ class GoodputAccount:
         """From :meth:`snapshot`; a snapshot without it (an older master) starts counting at ``now``."""
         if not data:
             return cls(started_at=now)
+        period = data.get("last_period")  # absent in an older snapshot
         return cls(
             started_at=float(data["started_at"]),
             training_s=float(data.get("training_s", 0.0)),
             training_since=data.get("training_since"),
             ended_at=data.get("ended_at"),
+            last_period=(float(period[0]), float(period[1])) if period else None,
         )

@@ -39,6 +39,7 @@ from master.liveness import Liveness
 from master.node_check import NodeCheck
 from master.recovery_phases import PHASES, RecoveryTracker
 from master.rendezvous import Candidate, Phase, Rendezvous
+from master.state_schema import SCHEMA_KEY, SCHEMA_VERSION, UnreadableStateError, check_version
 from master.stragglers import StragglerTracker, node_pace
 from master.wait_reason import recent_events, waiting_reason
 
@@ -455,6 +456,7 @@ class Job:
     def snapshot(self) -> dict:
         """Everything a master taking over needs; plain JSON-able data."""
         return {
+            SCHEMA_KEY: SCHEMA_VERSION,
             "job_id": self.settings.job_id,
             "master_id": self.master_id,
             "rendezvous": self.rdzv.snapshot(),
@@ -486,9 +488,14 @@ class Job:
     @classmethod
     def restore(cls, settings: JobSettings, data: dict, now: float, master_id: str | None = None) -> Job:
         """A job continued from :meth:`snapshot` by a (new) master. Every known node gets a full
-        heartbeat timeout of grace, so that the handover itself never causes a dead-node verdict."""
+        heartbeat timeout of grace, so that the handover itself never causes a dead-node verdict.
+
+        Raises ValueError, KeyError or TypeError for a state it cannot read (master.state_schema)."""
+        check_version(data)
         if data.get("job_id") != settings.job_id:
-            raise ValueError(f"stored state belongs to job {data.get('job_id')!r}, not {settings.job_id!r}")
+            raise UnreadableStateError(
+                f"stored state belongs to job {data.get('job_id')!r}, not {settings.job_id!r}"
+            )
         job = cls(settings, now, master_id)
         job.rdzv.restore(data["rendezvous"], now)
         for n in data.get("nodes", []):
@@ -715,7 +722,8 @@ class Job:
                     round=req.round,
                     cause=recovery.cause,
                     durations={**recovery.seconds, "total": recovery.total},
-                    data=training,
+                    # The restart phase's end, as the later heartbeats refined it (RecoveryTracker).
+                    data={**training, "workers_started_at": self.recovery.round.all_started_at},
                 )
 
     def _training_started(self, at: float) -> dict:
@@ -827,19 +835,25 @@ class Job:
         self._open_round(now, cause, counted=True, cause=verdict, began_at=failed_at)
         self._advance(now)
 
-    def _attribute_failure_to_loss(self, node_id: str, now: float) -> None:
+    def _attribute_failure_to_loss(self, node_id: str, now: float, last_seen: float) -> None:
+        """The pending failure followed the loss of ``node_id`` (last seen alive at ``last_seen``): a free
+        membership change, whose recovery and lost training time start at that last sign of life."""
         pending = self._pending_failure
         if pending is None or node_id not in pending.members or self.rdzv.phase is not Phase.OPEN:
             return
         if pending.counted:
             self.restart_count -= 1
         self._pending_failure = None
-        self.recovery.reattribute(NODE_LOSS)
+        self.recovery.reattribute(NODE_LOSS, broke_at=last_seen)
+        stopped = self.goodput.stop_earlier(last_seen)
         self._event(
             now,
             "failure_not_counted",
             f"the failure in round {pending.round} followed the loss of node {node_id}: a membership "
             f"change, not counted (restarts {self.restart_count}/{self.settings.max_restarts})",
+            node=node_id,
+            cause=NODE_LOSS,
+            data={"training": "stopped", "training_at": stopped} if stopped is not None else {},
         )
 
     def _on_success(self, node: NodeInfo, now: float) -> None:
@@ -868,7 +882,7 @@ class Job:
         self.removed_count += 1
         began = now if began_at is None else began_at
         self._event(now, kind, why, node=node_id, cause=NODE_LOSS, durations={"detect": now - began})
-        self._attribute_failure_to_loss(node_id, now)
+        self._attribute_failure_to_loss(node_id, now, began)
         if not was_member or self.outcome is not None:
             return
         if self._succeeded:

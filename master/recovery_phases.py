@@ -12,7 +12,9 @@ its first step. Its phases, defined from what the system sees:
 A verdict during a recovery (another failure before the first step) continues the same recovery: the time
 so far stays in the phases it was spent in, and the recovery goes back to ``rendezvous``. Every second
 between the beginning and the end is counted in exactly one phase. The cause is the first verdict's,
-unless the master re-attributes it (a failure that followed a node's loss is a node loss).
+unless the master re-attributes it (a failure that followed a node's loss is a node loss); a node loss
+also moves the beginning back to the lost node's last heartbeat, which lengthens ``detect`` (a survivor's
+worker usually fails on the dead peer's collective well before the heartbeat timeout says it is dead).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class RecoveryTracker:
     def __init__(self) -> None:
         self.recovery: Recovery | None = None
         self.round: RoundStart | None = None
+        #: When the current world began (its round closed, or its recovery ended): no break before it.
+        self.world_since: float | None = None
 
     def verdict(self, cause: str, began_at: float, at: float) -> None:
         """A running world broke (``began_at``) and the master decided so (``at``)."""
@@ -69,21 +73,43 @@ class RecoveryTracker:
         self.recovery.move("rendezvous", at)
         self.round = None  # the round that was starting is over
 
-    def reattribute(self, cause: str) -> None:
-        """The recovery's cause is another than first judged (e.g. a failure caused by a node's loss)."""
-        if self.recovery is not None:
-            self.recovery.cause = cause
+    def reattribute(self, cause: str, broke_at: float | None = None) -> None:
+        """The recovery's cause is another than first judged (e.g. a failure caused by a node's loss),
+        and the world broke at ``broke_at`` when that is earlier than its beginning so far (not before
+        the broken world began): the difference is added to ``detect``."""
+        r = self.recovery
+        if r is None:
+            return
+        r.cause = cause
+        if broke_at is None:
+            return
+        if self.world_since is not None:
+            broke_at = max(broke_at, self.world_since)
+        if broke_at < r.began_at:
+            r.seconds["detect"] += r.began_at - broke_at
+            r.began_at = broke_at
 
     def round_closed(self, number: int, members: list[str], at: float) -> None:
         self.round = RoundStart(number, frozenset(members))
+        self.world_since = at
         if self.recovery is not None:
             self.recovery.move("restart", at)
 
     def node_started(self, node_id: str, number: int, at: float) -> float | None:
         """A member's workers of round ``number`` started at ``at``; returns when the last member's did,
-        once every member's have (and only that once)."""
+        once every member's have (and only that once).
+
+        Every heartbeat repeats the moment (as an age), and the master dates it on the heartbeat's arrival,
+        so each estimate is late by that heartbeat's transit, which is longest right after a start (the
+        new workers' start-up competes for the CPU): until every member stepped, the earliest estimate of
+        each member counts, and the split between ``restart`` and ``first_step`` follows it."""
         rnd = self.round
-        if rnd is None or rnd.number != number or node_id not in rnd.members or node_id in rnd.started:
+        if rnd is None or rnd.number != number or node_id not in rnd.members:
+            return None
+        if node_id in rnd.started:
+            if rnd.all_stepped_at is None and at < rnd.started[node_id]:
+                rnd.started[node_id] = at
+                self._restarted_earlier(rnd)
             return None
         rnd.started[node_id] = at
         if len(rnd.started) < len(rnd.members):
@@ -92,6 +118,18 @@ class RecoveryTracker:
         if self.recovery is not None:
             self.recovery.move("first_step", rnd.all_started_at)
         return rnd.all_started_at
+
+    def _restarted_earlier(self, rnd: RoundStart) -> None:
+        """A better estimate moved the moment the last member started back: so does the phase split."""
+        if rnd.all_started_at is None:
+            return
+        moved = max(0.0, rnd.all_started_at - max(rnd.started.values()))
+        r = self.recovery
+        if r is not None and r.phase == "first_step":
+            moved = min(moved, r.seconds["restart"])  # not before the round closed
+            r.seconds["restart"] -= moved
+            r.since -= moved  # the first step phase began that much earlier
+        rnd.all_started_at -= moved
 
     def node_stepped(self, node_id: str, number: int, at: float) -> tuple[float, Recovery | None] | None:
         """A member's workers of round ``number`` have all reported a step (by ``at``). Once every member
@@ -108,6 +146,7 @@ class RecoveryTracker:
         if rnd.all_stepped_at is not None:
             return None
         rnd.all_stepped_at = max(max(rnd.stepped.values()), rnd.all_started_at or 0.0)
+        self.world_since = rnd.all_stepped_at
         done, self.recovery = self.recovery, None
         if done is not None:
             done.move("first_step", rnd.all_stepped_at)

@@ -2,6 +2,11 @@
 
 The same code serves the ``elastic-master`` daemon and the master embedded in ``elastic-run``.
 All job state is touched only from the event loop thread, so no lock is needed.
+
+Stopping (SIGTERM/SIGINT, or a failed task): the master first steps down (:meth:`MasterService.step_down`:
+no more ticks, pending long-polls answer 503 ``not_leader``, a last save, the lease revoked so that a
+standby leads at once), and only then drains its connections, for at most :data:`DRAIN_GRACE_S`.
+Background tasks are supervised (master.supervision): a crash resigns the leadership and exits non-zero.
 """
 
 from __future__ import annotations
@@ -44,17 +49,25 @@ from elastic.text import printable
 from elastic.tls import server_context
 from master.clock import unix_monotonic
 from master.event_log import EventLog
+from master.fault_hook import InjectedFault
 from master.job import Job, JobError
 from master.master_health import MasterHealth
 from master.metrics import MetricsPortOnly, add_metrics_route
 from master.openapi import install as install_openapi
 from master.settings import ServerSettings
-from master.store import MemoryStore, StateStore, StoreError
+from master.state_schema import describe as describe_unreadable
+from master.store import MemoryStore, StateFormatError, StateStore, StoreError
+from master.supervision import MasterFailure, Supervisor
 from master.ui import install_ui
 from master.wait_reason import ReasonLog
 
 log = logging.getLogger("elastic.master")
 T = TypeVar("T")
+
+#: Longest wait for open connections after stepping down (long-polls answer at once by then).
+DRAIN_GRACE_S = 5
+#: Longest wait for the last save of a master that steps down (etcd slow or gone: the lease still goes).
+FINAL_SAVE_S = 2.0
 
 #: The secret of the node incarnation a request acts for (master.credentials); the job checks it. At module
 #: level: FastAPI resolves the routes' (postponed) annotations in the module's namespace.
@@ -106,7 +119,9 @@ class MasterService:
         settings: ServerSettings,
         clock: Callable[[], float] | None = None,
         store: StateStore | None = None,
+        tick_fault_s: float | None = None,
     ) -> None:
+        """``tick_fault_s``: the test hook of master.fault_hook (the tick fails after leading that long)."""
         self.settings = settings
         self.clock = clock or unix_monotonic()  # event times read as Unix times (master.clock)
         self.health = MasterHealth()  # this process's own figures, for /metrics
@@ -127,6 +142,64 @@ class MasterService:
         self._saved_version = -1  # the current job's version that the store holds (see stored())
         self._saved: asyncio.Event | None = None  # set (and replaced) after each save
         self._reasons = ReasonLog(log)  # the round's waiting reason, logged when it changes
+        self._tick_fault_s = tick_fault_s
+        self._led_since = 0.0
+        self._term_tasks: list[asyncio.Task] = []
+        self._run_task: asyncio.Task | None = None
+        self._stepping_down: asyncio.Task | None = None
+        #: Called once when a supervised task failed (the server then exits); see :attr:`failure`.
+        self.on_failure: Callable[[], None] | None = None
+        self.supervisor = Supervisor(self._failed)
+
+    @property
+    def failure(self) -> MasterFailure | None:
+        """Why the master must exit non-zero, once a supervised task failed."""
+        return self.supervisor.failure
+
+    @property
+    def stopping(self) -> bool:
+        return self._stepping_down is not None
+
+    def start(self) -> None:
+        """Start the (supervised) run loop; call inside the running event loop."""
+        self._run_task = self.supervisor.spawn(self.run(), "run")
+
+    def step_down(self) -> asyncio.Task:
+        """Stop leading for good, before any draining: cancel the tick and persist loops, answer every
+        pending long-poll with 503 ``not_leader`` (agents ask another master), save the job once more if
+        it changed, and revoke the lease (the store's ``close``) so that a standby is elected at once.
+        Idempotent; the returned task completes when the lease is gone."""
+        if self._stepping_down is None:
+            self._stepping_down = asyncio.ensure_future(self._step_down())
+        return self._stepping_down
+
+    async def _step_down(self) -> None:
+        for task in [*self._term_tasks, *([self._run_task] if self._run_task is not None else [])]:
+            task.cancel()
+        job = self.job
+        self.notifier.notify()  # pending long-polls probe again and meet leading_job()'s 503
+        if (
+            job is not None
+            and self.store.durable
+            and self.store.leading
+            and self._saved_version < job.version
+        ):
+            try:  # what a request changed since the last save (the tick is stopped: nothing changes now)
+                await asyncio.wait_for(self.store.save(job.snapshot()), FINAL_SAVE_S)
+            except (StoreError, asyncio.TimeoutError) as exc:
+                log.warning("last save before stepping down failed (%s)", exc or "timed out")
+        self.job = None
+        await self.store.close()
+        if job is not None:
+            log.info("master %s stepped down from job %s", self.master_id, self.settings.job.job_id)
+
+    def _failed(self, failure: MasterFailure) -> None:
+        async def resign_and_exit() -> None:
+            await self.step_down()
+            if self.on_failure is not None:
+                self.on_failure()
+
+        asyncio.ensure_future(resign_and_exit())
 
     @property
     def notifier(self) -> Notifier:
@@ -138,7 +211,7 @@ class MasterService:
         """The job, or a 503 that sends the client to another master."""
         # ``store.leading`` turns false as soon as the lease may have expired, before the store's lease
         # task notices: a leader frozen past its lease serves nothing stale once it runs again.
-        if self.job is None or not self.store.leading:
+        if self.job is None or not self.store.leading or self.stopping:
             raise ApiError(503, "not_leader", f"master {self.master_id} is a standby; ask another master")
         return self.job
 
@@ -162,7 +235,11 @@ class MasterService:
 
     def tick(self) -> None:
         # No verdicts from a term that may be over (e.g. "every node dead" right after a freeze).
-        if self.job is not None and self.store.leading:
+        if self.job is not None and self.store.leading and not self.stopping:
+            if self._tick_fault_s is not None and self.clock() - self._led_since >= self._tick_fault_s:
+                raise InjectedFault(
+                    f"ELASTIC_MASTER_TICK_FAULT_S={self._tick_fault_s:g}: tick failure injected"
+                )
             self.job.tick(self.clock())
             self.changed()
             self._reasons.note(self.job, self.clock())
@@ -175,6 +252,8 @@ class MasterService:
             await self.store.campaign(self.master_id, self._lost.set)
             try:
                 snapshot = await self.store.load()
+            except StateFormatError:
+                raise  # it does not pass by retrying: the supervisor resigns and exits with this line
             except StoreError as exc:
                 # Never start a fresh job over state that exists but could not be read: campaign again.
                 log.error("elected, but cannot read the job state (%s); retrying", exc)
@@ -182,11 +261,8 @@ class MasterService:
                 continue
             now = self.clock()
             job_settings = self.settings.job
-            self.job = (
-                Job.restore(job_settings, snapshot, now, self.master_id)
-                if snapshot
-                else Job(job_settings, now, self.master_id)
-            )
+            self.job = self._restore(snapshot, now) if snapshot else Job(job_settings, now, self.master_id)
+            self._led_since = now
             self._logged_events = self.job.event_count - 1 if snapshot else 0
             self._seen_poll_key = None
             if self.event_log is not None:
@@ -199,15 +275,31 @@ class MasterService:
                 self.settings.store_url,
             )
             self.changed()
-            tasks = [asyncio.create_task(self._tick_forever()), asyncio.create_task(self._persist_forever())]
+            spawn = self.supervisor.spawn
+            self._term_tasks = [
+                spawn(self._tick_forever(), "tick"),
+                spawn(self._persist_forever(), "persist"),
+            ]
             await self._lost.wait()
-            for task in tasks:
+            for task in self._term_tasks:
                 task.cancel()
             log.warning(
                 "master %s lost the leadership of job %s; standing by", self.master_id, job_settings.job_id
             )
             self.job = None
             self.notifier.notify()
+
+    def _restore(self, snapshot: dict, now: float) -> Job:
+        """The job continued from the stored state; :class:`StateFormatError` (one line naming the key)
+        when this master cannot read it."""
+        try:
+            return Job.restore(self.settings.job, snapshot, now, self.master_id)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            where, job_id = self.store.state_location, self.settings.job.job_id
+            raise StateFormatError(
+                f"cannot continue job {job_id}: its stored state ({where}) cannot be read: "
+                f"{describe_unreadable(exc)}; fix or delete that key"
+            ) from None
 
     async def _tick_forever(self) -> None:
         period = min(0.1, self.settings.job.heartbeat_interval_s / 4)
@@ -412,11 +504,11 @@ def create_app(service: MasterService) -> FastAPI:
             s.max_restarts,
         )
         await service.store.start()
-        task = asyncio.create_task(service.run())
+        service.start()
         try:
             yield
         finally:
-            task.cancel()
+            await service.step_down()  # a no-op when a signal or a failure stepped down already
             await service.store.close()
 
     app = FastAPI(
@@ -543,7 +635,40 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn_server(app: FastAPI, settings: ServerSettings) -> uvicorn.Server:
+class _MasterServer(uvicorn.Server):
+    """uvicorn, stepping down before it drains: on the first SIGTERM/SIGINT the service steps down
+    (:meth:`MasterService.step_down`), and only once the lease is revoked does uvicorn close the listener
+    and drain (bounded by ``timeout_graceful_shutdown``). A second signal exits at once as usual; a failed
+    supervised task makes it exit too (``service.on_failure``)."""
+
+    def __init__(self, config: uvicorn.Config, service: MasterService) -> None:
+        super().__init__(config)
+        self.service = service
+        self._loop: asyncio.AbstractEventLoop | None = None
+        service.on_failure = self._exit
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def _exit(self) -> None:
+        self.should_exit = True
+
+    def handle_exit(self, sig: int, frame) -> None:
+        loop = self._loop
+        if self.should_exit or self.service.stopping or loop is None or not self.started:
+            return super().handle_exit(sig, frame)  # a second signal, or before serving: uvicorn's way
+        self._captured_signals.append(sig)  # uvicorn raises it again once served (the exit status)
+        log.info("signal %d: stepping down before draining", sig)
+
+        def step_down() -> None:  # in the loop, not in the signal handler
+            if not self.service.stopping:
+                self.service.step_down().add_done_callback(lambda _: self._exit())
+
+        loop.call_soon_threadsafe(step_down)
+
+
+def _uvicorn_server(app: FastAPI, settings: ServerSettings, service: MasterService) -> uvicorn.Server:
     """A uvicorn server for ``app``; https when ``settings`` name a certificate and key.
 
     Raises :class:`elastic.tls.TLSConfigError` when they cannot be used."""
@@ -553,6 +678,7 @@ def _uvicorn_server(app: FastAPI, settings: ServerSettings) -> uvicorn.Server:
         access_log=False,
         lifespan="on",
         timeout_keep_alive=int(LONG_POLL_CAP_S) + 5,
+        timeout_graceful_shutdown=DRAIN_GRACE_S,
         ws="none",
     )
     if settings.tls_cert and settings.tls_key:
@@ -562,7 +688,7 @@ def _uvicorn_server(app: FastAPI, settings: ServerSettings) -> uvicorn.Server:
         context = server_context(settings.tls_cert, settings.tls_key)
         config.load()
         config.ssl = context
-    return uvicorn.Server(config)
+    return _MasterServer(config, service)
 
 
 def serve_forever(
@@ -570,11 +696,17 @@ def serve_forever(
     sock: socket.socket,
     store: StateStore | None = None,
     metrics_sock: socket.socket | None = None,
+    tick_fault_s: float | None = None,
 ) -> None:
     """Run the master in this (main) thread until SIGINT/SIGTERM; ``metrics_sock``: the bound
-    ``--metrics-port`` listener (it serves ``/metrics`` only)."""
-    server = _uvicorn_server(create_app(MasterService(settings, store=store)), settings)
+    ``--metrics-port`` listener (it serves ``/metrics`` only); ``tick_fault_s``: master.fault_hook.
+
+    Raises :class:`MasterFailure` when a supervised task failed (the master resigned first)."""
+    service = MasterService(settings, store=store, tick_fault_s=tick_fault_s)
+    server = _uvicorn_server(create_app(service), settings, service)
     server.run(sockets=[sock] + ([metrics_sock] if metrics_sock is not None else []))
+    if service.failure is not None:
+        raise service.failure
 
 
 class EmbeddedMaster:
@@ -588,7 +720,7 @@ class EmbeddedMaster:
         self.host, self.port = self._sock.getsockname()[:2]
         self.service = MasterService(settings, store=store)
         try:
-            self._server = _uvicorn_server(create_app(self.service), settings)
+            self._server = _uvicorn_server(create_app(self.service), settings, self.service)
         except Exception:
             self._sock.close()
             raise

@@ -9,8 +9,8 @@ COLUMNS = ("NODE", "RANK", "STATE", "HEARTBEAT AGE", "RESTARTS", "ROUND", "WORLD
 
 
 def render_status(job: JobStatus) -> str:
-    """The job headline, then one row per node, then the node-check figures and persist errors, then the
-    round's waiting reason."""
+    """The job headline, then one row per node, then the node-check figures, persist errors and each
+    node's peer replication (replicated step and lag), then the round's waiting reason."""
     head = (
         f"job {job.job_id}: {job.phase}, round {job.round}, {job.nnodes} node(s), world size "
         f"{job.world_size}, restarts {job.restart_count}/{job.max_restarts}"
@@ -54,9 +54,22 @@ def render_status(job: JobStatus) -> str:
         for node in sorted(job.nodes, key=lambda n: n.node_id)
         if node.persist_error
     ]
+    replication = [_replication(node) for node in sorted(job.nodes, key=lambda n: n.node_id)]
     reason = [f"round {job.round}: {job.waiting_reason}"] if job.waiting_reason else []
     # Summaries, errors and verdicts quote what nodes and workers sent: one line each, no terminal escapes.
-    return "\n".join(printable(line) for line in [head, *lines, *checks, *persist, *reason])
+    lines = [head, *lines, *checks, *persist, *filter(None, replication), *reason]
+    return "\n".join(printable(line) for line in lines)
+
+
+def _replication(node: NodeStatus) -> str:
+    """``replication on node N: step S replicated, lag L[, error: ...]``; '' where replication is off."""
+    if node.replicated_step is None and node.replication_lag is None and not node.replication_error:
+        return ""
+    line = (
+        f"replication on node {node.node_id}: step {_or_dash(node.replicated_step)} replicated, "
+        f"lag {_or_dash(node.replication_lag)}"
+    )
+    return line + (f", error: {node.replication_error}" if node.replication_error else "")
 
 
 def _or_dash(value: int | None) -> str:

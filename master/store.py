@@ -18,6 +18,11 @@ class StoreError(Exception):
     """The store cannot be used (unreachable, bad URL...); the message is one actionable line."""
 
 
+class StateFormatError(StoreError):
+    """The store holds a job state this master cannot read (not JSON, an unknown schema version, a
+    missing field). Unlike an unreachable store this does not pass by retrying: the master exits."""
+
+
 class StateStore(abc.ABC):
     """Durable job state plus leader election. All methods run on the master's event loop."""
 
@@ -43,6 +48,11 @@ class StateStore(abc.ABC):
     def leading(self) -> bool:
         """Whether this master may serve the job right now; always true for in-process stores."""
         return True
+
+    @property
+    def state_location(self) -> str:
+        """Where the job state lives, for error messages (an etcd key names itself)."""
+        return "memory"
 
     async def leader_hint(self) -> str | None:
         """The current leader's candidate string, when known (for redirects)."""

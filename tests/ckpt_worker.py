@@ -85,7 +85,8 @@ def main() -> None:
             full = {name: t.full_tensor() for name, t in state["model"].items()}  # collectives: all ranks
             if rank == 0:
                 torch.save({**full, "rep": state["rep"], "meta": state["meta"]}, out / "full.pt")
-            write_json(out / f"rank{rank}.json", {"step": step})
+            received = elastic.sharded.last_restore_received_bytes()
+            write_json(out / f"rank{rank}.json", {"step": step, "received": received})
         else:
             raise SystemExit(f"unknown mode {mode}")
         dist.barrier()  # rank 0 hosts the TCPStore: nobody tears the group down while others still use it

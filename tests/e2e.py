@@ -157,6 +157,22 @@ def elastic_master_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "master", *args]
 
 
+def train_args(steps: int, step_time: float, ckpt_every: int = 5, extra: tuple[str, ...] = ()) -> list[str]:
+    """The example training script (scripts/train_script.py) and its arguments, for an agent's argv."""
+    return [
+        str(TRAIN_SCRIPT),
+        "--steps",
+        str(steps),
+        "--ckpt-every",
+        str(ckpt_every),
+        "--step-time",
+        str(step_time),
+        "--batch-size",
+        "32",
+        *extra,
+    ]
+
+
 @pytest.fixture
 def launch(tmp_path):
     """``launch(argv, name=..., env=...) -> Proc``; every launched process tree is killed at teardown.

@@ -119,6 +119,10 @@ def test_an_agent_serves_its_metrics_behind_the_token_and_counts_a_restart(launc
     assert persists[("elastic_agent_persist_seconds_count", ())] >= 1
     assert persists[("elastic_agent_persist_seconds_sum", ())] > 0
     assert persists[("elastic_agent_persisted_step", ())] >= 5
+    # The worker's in-memory saves, as it timed them (elastic.save -> report_checkpoint's save_s).
+    saves = persists[("elastic_agent_checkpoint_save_seconds_count", ())]
+    assert saves >= 1 and persists[("elastic_agent_checkpoint_save_seconds_sum", ())] > 0
+    assert persists[("elastic_agent_checkpoint_save_seconds_bucket", (("le", "+Inf"),))] == saves
 
     live = scrape(url, TOKEN).text
     assert 'node="metrics-node"' in live

@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import common as c  # noqa: E402
-from bench.fuzz_api import api_operations  # noqa: E402
 from bench.fuzz_engine import FuzzConfig, run_fuzz  # noqa: E402
+from bench.fuzz_report import api_operations  # noqa: E402
 from master.server import bind_socket  # noqa: E402
 
 REQUESTS = 1500

@@ -35,7 +35,7 @@ import e2e
 import httpx
 import psutil
 import pytest
-from e2e import TRAIN_SCRIPT, Proc, base_env, elastic_master_argv, elastic_run_argv, free_port, wait_until
+from e2e import Proc, base_env, elastic_master_argv, elastic_run_argv, free_port, train_args, wait_until
 
 from elastic.protocol import API_PREFIX, JOB_HEADER
 
@@ -60,20 +60,6 @@ UNKNOWN_NODE = "the master no longer knows this node"
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
-def train_args(steps: int, step_time: float, ckpt_every: int = 5) -> list[str]:
-    return [
-        str(TRAIN_SCRIPT),
-        "--steps",
-        str(steps),
-        "--ckpt-every",
-        str(ckpt_every),
-        "--step-time",
-        str(step_time),
-        "--batch-size",
-        "32",
-    ]
-
-
 def headers(job_id: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {TOKEN}", JOB_HEADER: job_id}
 

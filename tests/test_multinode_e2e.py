@@ -25,12 +25,12 @@ import httpx
 import psutil
 import pytest
 from e2e import (
-    TRAIN_SCRIPT,
     Proc,
     base_env,
     elastic_master_argv,
     elastic_run_argv,
     free_port,
+    train_args,
     wait_until,
 )
 
@@ -52,21 +52,6 @@ EXIT_S = 120.0  # a job finishing once its last phase started
 STEP_LINE = r"^\[rank0\]:step=(\d+) loss=\S+ world={world}$"
 START_LINE = re.compile(r"^\[rank(\d+)\]:start rank=\d+ world=(\d+) restart=(\d+) resumed_step=(\d+)$", re.M)
 FAILED_LINE = re.compile(r"^elastic-run: job failed: .*$", re.M)
-
-
-def train_args(steps: int, step_time: float, ckpt_every: int = 5, extra: tuple[str, ...] = ()) -> list[str]:
-    return [
-        str(TRAIN_SCRIPT),
-        "--steps",
-        str(steps),
-        "--ckpt-every",
-        str(ckpt_every),
-        "--step-time",
-        str(step_time),
-        "--batch-size",
-        "32",
-        *extra,
-    ]
 
 
 def agent_env() -> dict[str, str]:

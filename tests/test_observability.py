@@ -126,6 +126,24 @@ def test_a_verdict_during_a_recovery_continues_it() -> None:
     )
 
 
+def test_a_later_heartbeats_earlier_estimate_of_the_start_moves_the_split_until_the_first_step() -> None:
+    tracker = RecoveryTracker()
+    tracker.verdict("worker_failure", began_at=0.0, at=0.5)
+    tracker.round_closed(2, ["a", "b"], 1.0)
+    tracker.node_started("a", 2, 1.5)
+    assert tracker.node_started("b", 2, 2.4) == 2.4  # its heartbeat waited for a CPU: 2.4 is late
+    assert tracker.node_started("b", 2, 2.6) is None  # a later, worse estimate changes nothing
+    tracker.node_started("b", 2, 2.0)  # the heartbeat with its first step arrived promptly
+    tracker.node_stepped("a", 2, 3.0)
+    at, recovery = tracker.node_stepped("b", 2, 4.0)
+    assert at == 4.0 and tracker.round.all_started_at == 2.0
+    assert recovery.seconds == pytest.approx(
+        {"detect": 0.5, "rendezvous": 0.5, "restart": 1.0, "first_step": 2.0}
+    )
+    tracker.node_started("b", 2, 1.2)  # after every member stepped: the recovery is over
+    assert tracker.round.all_started_at == 2.0
+
+
 # -- the job's events -----------------------------------------------------------------------------
 def test_a_worker_failure_yields_phases_goodput_and_lifetime_totals_from_events() -> None:
     job = make_job()
@@ -176,6 +194,64 @@ def test_a_lost_node_is_detected_from_its_last_heartbeat() -> None:
     assert dead.node == "b" and dead.cause == "node_loss"
     assert dead.durations["detect"] == pytest.approx(4.5)
     assert of_kind(job, "round_opened")[-1].data["training_at"] == pytest.approx(T0 + 1.0)
+
+
+def test_a_failure_that_followed_a_node_loss_dates_the_recovery_from_the_nodes_last_heartbeat() -> None:
+    job = make_job(min_nodes=1)
+    join(job, T0, "a", "b")
+    job.tick(T0 + 0.1)
+    train(job, ("a", "b"), started=T0 + 0.5, stepped=T0 + 1.0, now=T0 + 1.0)
+    beat(job, "b", T0 + 2.0)  # b's last heartbeat; b dies
+    # a's worker fails on the dead peer's collective first (seen at T0 + 2.6), long before b's timeout.
+    failure = WorkerFailure(rank=0, local_rank=0, exit_code=1, age_s=0.1)
+    beat(job, "a", T0 + 2.7, state=NodeState.FAILED, failure=failure)
+    assert of_kind(job, "round_opened")[-1].data["training_at"] == pytest.approx(T0 + 2.6)
+    join(job, T0 + 3.0, "a")
+    job.tick(T0 + 6.5)  # 4.5 s without b: dead; the failure was its consequence
+    (dead,) = of_kind(job, "node_dead")
+    assert dead.durations["detect"] == pytest.approx(4.5)
+    (moved,) = of_kind(job, "failure_not_counted")
+    assert moved.data == {"training": "stopped", "training_at": pytest.approx(T0 + 2.0)}
+    assert job.goodput.training_time(T0 + 7) == pytest.approx(1.0), "training from T0 + 1 to b's last beat"
+    assert job.rdzv.phase.value == "active"  # a alone: the round closed
+    closed = of_kind(job, "round_closed")[-1].at
+    train(job, ("a",), started=closed + 0.5, stepped=closed + 1.0, now=closed + 1.5)
+    done = of_kind(job, "first_step")[-1]
+    assert done.cause == "node_loss"
+    assert done.durations["detect"] == pytest.approx(0.7), "from b's last heartbeat to a's failure verdict"
+    assert done.durations["total"] == pytest.approx(closed + 1.0 - (T0 + 2.0))
+    assert job.goodput.ratio(closed + 2.0) == pytest.approx((1.0 + 1.0) / (closed + 2.0 - T0))
+
+
+def test_a_node_loss_moves_the_end_of_training_back_never_before_the_period_began() -> None:
+    account = GoodputAccount(started_at=0.0)
+    assert account.stop_earlier(5.0) is None, "no period ended yet"
+    account.start(10.0)
+    assert account.stop_earlier(5.0) is None, "training runs"
+    account.stop(20.0)
+    assert account.stop_earlier(25.0) is None, "a later moment changes nothing"
+    assert account.stop_earlier(18.0) == 18.0
+    assert account.training_time(30.0) == pytest.approx(8.0)
+    again = GoodputAccount.restore(json.loads(json.dumps(account.snapshot())), now=40.0)
+    assert again.stop_earlier(5.0) == 10.0, "not before the period began"
+    assert again.training_time(40.0) == 0.0
+
+
+def test_a_node_loss_lengthens_detect_back_to_the_break_but_not_into_the_previous_world() -> None:
+    tracker = RecoveryTracker()
+    tracker.round_closed(1, ["a", "b"], 0.0)
+    for node in ("a", "b"):
+        tracker.node_started(node, 1, 1.0)
+        tracker.node_stepped(node, 1, 2.0)  # the world trains from 2.0
+    tracker.verdict("worker_failure", began_at=10.0, at=10.5)
+    tracker.reattribute("node_loss", broke_at=9.0)
+    assert tracker.recovery.began_at == 9.0 and tracker.recovery.seconds["detect"] == pytest.approx(1.5)
+    tracker.reattribute("node_loss", broke_at=1.0)  # before the world began training: clamped
+    assert tracker.recovery.began_at == 2.0 and tracker.recovery.seconds["detect"] == pytest.approx(8.5)
+    tracker.round_closed(2, ["a"], 11.0)
+    tracker.node_started("a", 2, 11.5)
+    _, recovery = tracker.node_stepped("a", 2, 12.0)
+    assert recovery.cause == "node_loss" and recovery.total == pytest.approx(12.0 - 2.0)
 
 
 def test_an_older_snapshot_without_structured_events_restores() -> None:

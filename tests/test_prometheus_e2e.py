@@ -16,7 +16,7 @@ from pathlib import Path
 import e2e
 import httpx
 import pytest
-from e2e import TRAIN_SCRIPT, base_env, elastic_master_argv, elastic_run_argv, free_port, wait_until
+from e2e import base_env, elastic_master_argv, elastic_run_argv, free_port, train_args, wait_until
 from tools import require_tool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -38,14 +38,17 @@ def goodput_from_events(events: list[dict], at: float) -> float:
     start = next(e["time"] for e in events if e["kind"] == "job_started")
     end = next((e["time"] for e in events if e["kind"] in ("job_succeeded", "job_failed")), None)
     until = min(at, end) if end is not None else at
-    training, since = 0.0, None
+    training, since, ended = 0.0, None, None
     for event in events:
         mark = event["data"].get("training")
         if mark == "started" and event["data"]["training_at"] <= until:
             since = event["data"]["training_at"]
         elif mark == "stopped" and since is not None:
             training += min(event["data"]["training_at"], until) - since
-            since = None
+            since, ended = None, min(event["data"]["training_at"], until)
+        elif mark == "stopped" and ended is not None and event["data"]["training_at"] < ended:
+            training -= ended - event["data"]["training_at"]  # the world broke earlier than first known
+            ended = event["data"]["training_at"]
     if since is not None:
         training += until - since
     return training / (until - start)
@@ -143,15 +146,7 @@ def start_job(launch, tmp_path: Path, name: str, token_file: Path) -> tuple[str,
             "--stop-grace",
             "2",
             "--no-warm-start",
-            str(TRAIN_SCRIPT),
-            "--steps",
-            "300",
-            "--step-time",
-            "0.05",
-            "--ckpt-every",
-            "5",
-            "--batch-size",
-            "32",
+            *train_args(300, 0.05),
         ),
         name=f"agent-{name}",
         env=base_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),

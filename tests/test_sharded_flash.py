@@ -45,6 +45,22 @@ def replicate(source: Path, holder: Path, node: str) -> None:
     sl.commit(root, tmp, step, save_id)
 
 
+def replicated_files(node: Path) -> dict[str, int]:
+    """The data files (name: size) holding the plain values ("rep", "meta") of ``node``'s newest step."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    data = sl.committed(node / sl.SHARDED_SUBDIR)[0][2]
+    metadata = FileSystemReader(data).read_metadata()
+    names = {
+        info.relative_path
+        for index, info in metadata.storage_data.items()
+        if index.fqn.split(".")[0] in ("rep", "meta")
+    }
+    sizes = sl.read_manifest(data)  # every data file of the step, with its size
+    assert sizes is not None
+    return {name: sizes[name] for name in names}
+
+
 def check_full(out: Path, scale: float) -> None:
     full = torch.load(out / "full.pt", weights_only=True)
     for name, tensor in expected_tensors().items():
@@ -94,6 +110,20 @@ def test_sharded_flash_saves_stay_in_memory_and_a_lost_node_is_restored_from_its
     assert [r["step"] for r in results(from_disks, 3)] == [3, 3, 3]
     check_full(from_disks, 3.0)
 
+    # The same world over both nodes' memory: every rank reads its own shards, held by its node; only the
+    # file holding the plain (replicated, saved once) values travels, to the node that lacks it.
+    same = tmp_path / "same-world"
+    same.mkdir()
+    run_world(4, ["sharded-load", str(same), "-"], same / "logs", node_env(nodes, 2))
+    assert [r["step"] for r in results(same, 4)] == [3, 3, 3, 3]
+    plain = replicated_files(nodes[0])
+    for node, writer in zip(nodes, (0, 2), strict=True):
+        own = {p.name for p in sl.committed(node / sl.SHARDED_SUBDIR)[0][2].iterdir()}
+        expected = sum(size for name, size in plain.items() if name not in own)
+        assert results(same, 4)[writer]["received"] == expected, "only the replicated values' file moves"
+    assert results(same, 4)[1]["received"] == results(same, 4)[3]["received"] == 0, "one receiver per node"
+    check_full(same, 3.0)
+
     # Node B is lost; A holds B's newest step as a replica: the world of 2 restores step 3 from A alone.
     replicate(nodes[1], nodes[0], "B")
     out = tmp_path / "restored"
@@ -101,6 +131,7 @@ def test_sharded_flash_saves_stay_in_memory_and_a_lost_node_is_restored_from_its
     run_world(2, ["sharded-load", str(out), "-"], out / "logs", node_env([nodes[0]], 2))
     assert [r["step"] for r in results(out, 2)] == [3, 3]
     check_full(out, 3.0)
+    assert [r["received"] for r in results(out, 2)] == [0, 0], "A holds all: its own files and B's replica"
     assert not (nodes[0] / "restore").exists() or not list((nodes[0] / "restore").iterdir())
 
     # A world of 3 over both nodes' memory: B's rank (no replica needed) gets A's files over the group.
@@ -110,6 +141,11 @@ def test_sharded_flash_saves_stay_in_memory_and_a_lost_node_is_restored_from_its
     run_world(3, ["sharded-load", str(out3), "-"], out3 / "logs", env)
     assert [r["step"] for r in results(out3, 3)] == [3, 3, 3]
     check_full(out3, 3.0)
+    sizes = {p.name: p.stat().st_size for p in sl.committed(nodes[0] / sl.SHARDED_SUBDIR)[0][2].iterdir()}
+    # Rank 2 (node B) re-shards: it reads the last third of each tensor, in A's __1_0 and B's own files.
+    # Re-sharding: rank 2 (node B) reads its rows from B's own files and the plain values from A's __1_0
+    # (not __0_0, which it does not read); A holds B's replica, so it lacks nothing.
+    assert [r["received"] for r in results(out3, 3)] == [0, 0, sizes["__1_0.distcp"]]
 
     # A damaged replica is refused at restore (its sha256 differs from what the sender sent).
     shutil.rmtree(nodes[1])
