@@ -235,7 +235,9 @@ def report(runs: list[Run]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cycles", type=int, default=20, help="leader changes per signal (default %(default)s)")
+    p.add_argument(
+        "--cycles", "--runs", type=int, default=20, help="leader changes per signal (default %(default)s)"
+    )
     p.add_argument(
         "--smoke", action="store_true", help="2 leader changes per signal: checks the script works"
     )

@@ -37,6 +37,7 @@ BENCHES = [
     ("rendezvous", "Rendezvous latency", "rendezvous.py"),
     ("launch", "Launch overhead", "launch.py"),
     ("fuzz_api", "API fuzzing", "fuzz_api.py"),
+    ("failover", "Master failover", "failover.py"),
 ]
 
 ABOUT = """Every figure compares `elastic-run` with `python -m torch.distributed.run` (torchrun) on the same
