@@ -11,6 +11,7 @@ docs/observability.md.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import statistics
 from collections.abc import Callable, Iterator
@@ -29,7 +30,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from elastic.protocol import ErrorBody, NodeState
-from master.job_stats import RECOVERY_BUCKETS
+from master.job_events import CAUSES
+from master.job_stats import RECOVERY_BUCKETS, Histogram
+from master.recovery_phases import PHASES
 from master.rendezvous import Phase
 
 METRICS_PATH = "/metrics"
@@ -176,7 +179,11 @@ def _job_metrics(job: Any, job_id: str, now: float) -> Iterator[Metric]:
     recovery = HistogramMetricFamily(
         "elastic_recovery_seconds", "Recovery time by phase and cause.", labels=["job_id", "phase", "cause"]
     )
-    for (phase, cause), hist in sorted(stats.recovery.items()):
+    # Every (phase, cause) series from the start, zero until observed: a dashboard or a rule over a series
+    # that does not exist yet shows "no data" instead of 0, and increases from absent are invisible.
+    empty = Histogram()
+    for phase, cause in itertools.product(PHASES, CAUSES):
+        hist = stats.recovery.get((phase, cause), empty)
         buckets = [(_bound(b), float(c)) for b, c in zip(RECOVERY_BUCKETS, hist.buckets, strict=True)]
         buckets.append(("+Inf", float(hist.count)))
         recovery.add_metric([job_id, phase, cause], buckets, hist.total)
