@@ -406,7 +406,7 @@ def load_sharded(
     manifest = next((m for p in mine.values() if (m := sl.read_manifest(p.parent)) is not None), None)
     path, assembled = _assemble(state, chosen, save_id, mine, manifest, shm, world)
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=_reader(path, shm))
     finally:
         _barrier()
         if assembled:
@@ -417,6 +417,17 @@ def load_sharded(
     report(chosen)
     report_checkpoint(chosen)
     return chosen
+
+
+def _reader(path: Path, shm: Path | None) -> Any:
+    """DCP's reader of ``path``: files in shared memory are copied from their mapping (one copy, no read
+    into a temporary tensor; :mod:`elastic.shard_reader`), files on disk read as DCP reads them."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from elastic.shard_reader import MappedReader
+
+    in_memory = shm is not None and path.resolve().is_relative_to(shm.resolve())
+    return MappedReader(path) if in_memory else FileSystemReader(path)
 
 
 def _any(flag: bool, world: int) -> bool:
