@@ -34,7 +34,8 @@ def _tagged(tag: str) -> list[int]:
     return out
 
 
-def _run(argv: list[str], tmp_path: Path, timeout: float) -> tuple[subprocess.CompletedProcess, list[int]]:
+def run_bench(argv: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """Run a benchmark script; returns its result and the PIDs it left behind (tagged by environment)."""
     tag = uuid.uuid4().hex
     env = dict(os.environ, BENCH_SMOKE_TAG=tag)
     proc = subprocess.run(
@@ -52,7 +53,7 @@ def test_benchmark_smoke(script: str, tmp_path: Path) -> None:
     # Keep CI time in bounds: torchrun needs ~50 s to recover from a node loss (keep-alive + 30 s last call)
     # and its default shared store deadlocks on scale-up until a 60 s timeout; the full runs measure both.
     argv += SMOKE_TOOLS.get(script, [])
-    proc, left = _run(argv, tmp_path, timeout=400)
+    proc, left = run_bench(argv, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = out.read_text()
     assert "elastic-run" in report and "| ---" in report, report
@@ -65,9 +66,8 @@ def test_benchmark_smoke(script: str, tmp_path: Path) -> None:
 def test_run_all_writes_its_section_and_keeps_others(tmp_path: Path) -> None:
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks: elastic-run vs torchrun\n\n## Checkpoint\n\nflash numbers stay here\n")
-    proc, left = _run(
+    proc, left = run_bench(
         ["bench/run_all.py", "--smoke", "--only", "launch", "--doc", str(doc), "--timeout", "280"],
-        tmp_path,
         timeout=290,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib
 import json
 import socket
-import time
 
 import pytest
+from e2e import wait_until
 
 from agent.channel import ProgressChannel
 from agent.latency import LatencyHistogram
@@ -19,13 +19,6 @@ pytestmark = pytest.mark.timeout(30)
 
 # ``elastic.report`` is the function (``elastic`` re-exports it); the module is looked up by name.
 report_module = importlib.import_module("elastic.report")
-
-
-def wait_for(predicate, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def test_the_histogram_counts_into_cumulative_buckets() -> None:
@@ -46,7 +39,7 @@ def test_a_checkpoint_report_carries_the_save_duration_to_the_agent(monkeypatch)
     try:
         channel.reset(1)
         report_module.report_checkpoint(5, save_s=0.02)
-        wait_for(lambda: channel.save_latency.sample().count == 1, "the save's duration")
+        wait_until(lambda: channel.save_latency.sample().count == 1, 10, "the save's duration", interval=0.01)
         # A report of an older worker library (no duration) and malformed durations: checkpoints, no save.
         for message in (
             {"r": 0, "k": "ckpt", "step": 10, "loc": ""},
@@ -56,7 +49,7 @@ def test_a_checkpoint_report_carries_the_save_duration_to_the_agent(monkeypatch)
         ):
             sock.sendto(json.dumps(message).encode(), channel.path)
         report_module.report_checkpoint(30, save_s=0.3)
-        wait_for(lambda: channel.checkpointed_step() == 30, "the last checkpoint report")
+        wait_until(lambda: channel.checkpointed_step() == 30, 10, "the last checkpoint report", interval=0.01)
         sample = channel.save_latency.sample()
         assert sample.count == 2 and sample.total == pytest.approx(0.32)
         assert dict(sample.buckets)["0.025"] == 1 and dict(sample.buckets)["0.5"] == 2

@@ -4,44 +4,19 @@ prints its table, writes --json, finds no worker restart and no dead verdict, an
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import uuid
 from pathlib import Path
 
-import psutil
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _tagged(tag: str) -> list[int]:
-    out = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.environ().get("BENCH_SMOKE_TAG") == tag and proc.status() != psutil.STATUS_ZOMBIE:
-                out.append(proc.pid)
-        except psutil.Error:
-            continue
-    return out
+from test_bench_smoke import run_bench
 
 
 @pytest.mark.slow
 @pytest.mark.etcd
 @pytest.mark.timeout(500)
 def test_failover_benchmark_smoke(tmp_path: Path) -> None:
-    tag = uuid.uuid4().hex
     out, data = tmp_path / "report.md", tmp_path / "failover.json"
     argv = ["bench/failover.py", "--smoke", "--workdir", str(tmp_path / "work"), "--markdown-out", str(out)]
-    proc = subprocess.run(
-        [sys.executable, *argv, "--json", str(data)],
-        cwd=REPO,
-        env=dict(os.environ, BENCH_SMOKE_TAG=tag),
-        capture_output=True,
-        text=True,
-        timeout=480,
-    )
+    proc, left = run_bench([*argv, "--json", str(data)], timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = out.read_text()
     assert "| SIGTERM" in report and "| SIGKILL" in report and "command: `python bench/failover.py" in report
@@ -50,4 +25,4 @@ def test_failover_benchmark_smoke(tmp_path: Path) -> None:
         assert len(run["serve_s"]) == run["cycles"] == 2, run
         assert (run["worker_starts"], run["max_restart_count"], run["dead_verdicts"]) == (2, 0, 0), run
         assert (run["steps_repeated"], run["steps_skipped"]) == (0, 0), run
-    assert not _tagged(tag), "processes left behind by bench/failover.py"
+    assert not left, f"processes left behind by bench/failover.py: {left}"

@@ -84,6 +84,11 @@ class Prometheus:
         except httpx.TransportError:
             return False
 
+    def scraped_since(self, instance: str, since: float) -> bool:
+        """Whether Prometheus scraped ``instance`` after the Unix time ``since`` (its ``up`` series)."""
+        series = self.samples(f'up{{instance="{instance}"}}', "1m")
+        return bool(series) and series[0][1][-1][0] > since
+
     def samples(self, selector: str, window: str = "10m") -> list[tuple[dict, list[tuple[float, float]]]]:
         """Raw samples of ``selector`` over the last ``window`` (a range-vector instant query)."""
         reply = httpx.get(
@@ -186,7 +191,13 @@ def test_prometheus_sees_one_restart_its_phases_and_the_goodput_of_the_event_log
     assert set(recovered[0]["durations"]) == {*PHASES, "total"}
     for agent in (kill_agent, calm_agent):
         assert agent.wait(START_S) == 0, agent.output()[-3000:]
-    time.sleep(2.0)  # a few more scrapes of the finished jobs (their masters keep serving)
+    finished = time.time()  # the finished jobs' masters keep serving: wait for a scrape of each after it
+    wait_until(
+        lambda: all(prometheus.scraped_since(a, finished) for a in (kill_addr, calm_addr)),
+        START_S,
+        "a scrape of each finished job",
+        interval=0.2,
+    )
 
     restarts = prometheus.samples(f'elastic_restarts_total{{instance="{kill_addr}"}}')
     (values,) = [[v for _, v in samples] for _, samples in restarts]
