@@ -197,6 +197,8 @@ def _wait_committed(root: Path, step: int, save_id: str, timeout: float = 60.0) 
             if os.readlink(link) == sl.data_dir_name(step, save_id):
                 return
         time.sleep(0.002)
+    # Local rank 0 died or hangs: its data folder stays protected from reuse, and this save goes on.
+    log.warning("elastic.save_sharded: step %d was not committed by local rank 0 within %.0fs", step, timeout)
 
 
 def _flash_save(state: dict[str, Any], step: int, shm: Path, ckpt_dir: str | os.PathLike[str] | None) -> Path:
