@@ -165,6 +165,12 @@ class Assignment(_Model):
         default=False,
         description="A node-check round: run one `python -m elastic.node_check` per node (world = nodes).",
     )
+    term: int = Field(
+        default=0,
+        ge=0,
+        description="The leader term under which the round was closed: a round is identified by "
+        "(term, round), so a node never mixes the worlds of two leaders; 0 from masters without terms.",
+    )
 
 
 class Outcome(_Model):
@@ -187,6 +193,12 @@ class RoundReply(_Model):
 class HeartbeatRequest(_Model):
     node_id: str = Field(pattern=_ID_PATTERN)
     round: int = Field(ge=0, description="The round this node's workers belong to (0 while waiting).")
+    term: int | None = Field(
+        default=None,
+        ge=0,
+        description="The term of that round (Assignment.term); a different current term means rejoin. "
+        "Omitted by agents that predate terms (round numbers alone are compared).",
+    )
     state: NodeState
     workers: list[WorkerProgress] = Field(default_factory=list, max_length=4096)
     failure: WorkerFailure | None = None
@@ -226,6 +238,7 @@ class HeartbeatRequest(_Model):
 class CommandReply(_Model):
     command: Command
     round: int = Field(description="The master's current round number.")
+    term: int = Field(default=0, ge=0, description="The term of the master's current round.")
     outcome: Outcome | None = None
     master_id: str = ""
     peers: list[str] = Field(

@@ -414,6 +414,11 @@ class EtcdStore(StateStore):
             self._stale_leases.discard(lease_id)
 
     @property
+    def term(self) -> int:
+        """The leader key's create revision: unique per term and growing from one term to the next."""
+        return self._leader_revision or 0
+
+    @property
     def leading(self) -> bool:
         """True while this master holds a term whose lease was renewed recently enough that no other
         master can have been elected yet. The time check matters when this process was frozen (SIGSTOP,

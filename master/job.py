@@ -33,6 +33,7 @@ from elastic.protocol import (
 from elastic.shard_layout import ring_targets
 from master.credentials import JoinKind, hash_secret, judge_join, matches, new_secret
 from master.goodput import GoodputAccount
+from master.job_effects import Effects, EffectsBuffer
 from master.job_events import HANG, NODE_LOSS, SCALE_UP, WORKER_FAILURE, Event, restore_events
 from master.job_stats import JobStats
 from master.liveness import Liveness
@@ -142,7 +143,9 @@ def _describe_failure(node_id: str, failure: WorkerFailure) -> str:
 class Job:
     """All master-side state of one job."""
 
-    def __init__(self, settings: JobSettings, now: float, master_id: str | None = None) -> None:
+    def __init__(
+        self, settings: JobSettings, now: float, master_id: str | None = None, term: int = 0
+    ) -> None:
         self.settings = settings
         self.master_id = master_id or uuid.uuid4().hex[:12]
         self.rdzv = Rendezvous(settings)
@@ -153,7 +156,14 @@ class Job:
         self.outcome: Outcome | None = None
         self.events: deque[Event] = deque(maxlen=1000)
         self.event_count = 0  # events ever recorded (the deque keeps the newest)
+        #: Bumped by every change of durable state (master.job_effects): what the store must hold before a
+        #: reply reveals it. Soft state (steps, committed step, heartbeat ages) never bumps it.
         self.version = 0
+        #: The leader's term (master.store.StateStore.term), set by the server when it leads.
+        self.term = term
+        #: The term in which the current round number was opened: a round is ``(round_term, number)``.
+        self.round_term = 0
+        self._effects = EffectsBuffer()
         self._round_failed: set[int] = set()  # rounds whose failure was already counted
         self._pending_failure: _PendingFailure | None = None
         self._succeeded: set[str] = set()  # members of the current round that finished
@@ -277,7 +287,11 @@ class Job:
         self._note_round_progress(node, req, now)
         if req.ckpt_step is not None and req.round == self.rdzv.round:
             node.ckpt_step = req.ckpt_step  # the committed step follows in tick() (_refresh_aggregates)
-        current_round = req.round == self.rdzv.round and self.rdzv.is_member(req.node_id)
+        current_round = (
+            req.round == self.rdzv.round
+            and (req.term is None or req.term == self.round_term)
+            and self.rdzv.is_member(req.node_id)
+        )
         if current_round and node.state != req.state:
             node.state, node.round = req.state, req.round
             self.version += 1
@@ -292,7 +306,7 @@ class Job:
             and node.node_id not in self._succeeded  # repeated reports are not new transitions
         ):
             self._on_success(node, now)
-        reply = self.command_for(req.node_id, req.round)
+        reply = self.command_for(req.node_id, req.round, req.term)
         if req.replicas and reply.command is Command.CONTINUE and self.rdzv.is_member(req.node_id):
             reply = reply.model_copy(update={"peers": self._replica_targets(req.node_id, req.replicas)})
         return reply
@@ -337,7 +351,9 @@ class Job:
             node=node_id,
         )
 
-    def watch(self, node_id: str, node_round: int, node_secret: str | None) -> CommandReply:
+    def watch(
+        self, node_id: str, node_round: int, node_secret: str | None, node_term: int | None = None
+    ) -> CommandReply:
         """:meth:`command_for` for a node's watch long-poll. A node this master does not know gets
         :class:`UnknownNodeError`, as its heartbeat does: a master restarted without a durable store (or
         one that declared the node dead) must say so, not answer "rejoin" as if it had opened a round. A
@@ -348,10 +364,11 @@ class Job:
             raise UnknownNodeError(f"node {node_id} is not part of job {self.settings.job_id}; join first")
         if self.outcome is None:
             self._authenticate(self.nodes[node_id], node_secret)
-        return self.command_for(node_id, node_round)
+        return self.command_for(node_id, node_round, node_term)
 
-    def command_for(self, node_id: str, node_round: int) -> CommandReply:
-        """What a node whose workers run in ``node_round`` must do now (used by heartbeat and watch)."""
+    def command_for(self, node_id: str, node_round: int, node_term: int | None = None) -> CommandReply:
+        """What a node whose workers run in round ``(node_term, node_round)`` must do now (heartbeat and
+        watch). ``node_term`` None (an agent without terms) compares round numbers alone."""
         if self.outcome is not None:
             return self._reply(Command.STOP)
         if node_id in self.node_check.excluded:
@@ -359,6 +376,9 @@ class Job:
         if node_round and (node_round != self.rdzv.round or self.rdzv.phase is Phase.OPEN):
             return self._reply(Command.REJOIN)
         if node_round and not self.rdzv.is_member(node_id):
+            return self._reply(Command.REJOIN)
+        if node_round and node_term is not None and node_term != self.round_term:
+            # The same number under another term is another world (a leader that never stored it).
             return self._reply(Command.REJOIN)
         return self._reply(Command.CONTINUE)
 
@@ -382,6 +402,13 @@ class Job:
             if self.outcome is not None:
                 return
         self._advance(now)
+
+    # -- effects ----------------------------------------------------------------------------------
+    def take_effects(self) -> Effects:
+        """What the mutations since the last call did: the events they recorded, whether durable state
+        changed (the store must hold :attr:`version` before a reply reveals it) and whether a pending
+        long-poll may now answer differently. The server calls this after every request and tick."""
+        return self._effects.take(self.version)
 
     # -- views ------------------------------------------------------------------------------------
     def long_poll_key(self) -> tuple:
@@ -473,6 +500,9 @@ class Job:
                 for n in self.nodes.values()
             ],
             "restart_count": self.restart_count,
+            "round_term": self.round_term,
+            # Soft (not a reason to write), but kept when written: a new leader's first assignments
+            # then name a step to restore before heartbeats have reported one.
             "committed_step": self.committed_step,
             "outcome": None if self.outcome is None else self.outcome.model_dump(),
             "round_failed": sorted(self._round_failed),
@@ -486,7 +516,9 @@ class Job:
         }
 
     @classmethod
-    def restore(cls, settings: JobSettings, data: dict, now: float, master_id: str | None = None) -> Job:
+    def restore(
+        cls, settings: JobSettings, data: dict, now: float, master_id: str | None = None, term: int = 0
+    ) -> Job:
         """A job continued from :meth:`snapshot` by a (new) master. Every known node gets a full
         heartbeat timeout of grace, so that the handover itself never causes a dead-node verdict.
 
@@ -496,7 +528,7 @@ class Job:
             raise UnreadableStateError(
                 f"stored state belongs to job {data.get('job_id')!r}, not {settings.job_id!r}"
             )
-        job = cls(settings, now, master_id)
+        job = cls(settings, now, master_id, term)
         job.rdzv.restore(data["rendezvous"], now)
         for n in data.get("nodes", []):
             job.nodes[n["node_id"]] = NodeInfo(
@@ -506,6 +538,7 @@ class Job:
             # and its agent says so; one never takes over a node by its id alone.
             job.nodes[n["node_id"]].secret_hash = n.get("secret_hash", "")
         job.restart_count = int(data.get("restart_count", 0))
+        job.round_term = int(data.get("round_term", 0))
         job.committed_step = data.get("committed_step")
         job.outcome = Outcome(**data["outcome"]) if data.get("outcome") else None
         job._round_failed = set(data.get("round_failed", []))
@@ -514,6 +547,7 @@ class Job:
         job.event_count = int(data.get("event_count", len(stored)))
         job.events.clear()  # the stored events replace this object's own job_started
         job.events.extend(restore_events(stored, job.event_count, now))
+        job._effects = EffectsBuffer()  # stored events are not new; the takeover event below is
         job.goodput = GoodputAccount.restore(data.get("goodput"), now)
         job.stats = JobStats.restore(data.get("stats"))
         current = job.rdzv.current
@@ -530,7 +564,8 @@ class Job:
             now,
             "master_takeover",
             f"master {job.master_id} took over job {settings.job_id} in round "
-            f"{job.rdzv.round} (restarts {job.restart_count})",
+            f"{job.rdzv.round} (term {term}, restarts {job.restart_count})",
+            data={"term": term, "previous_master": data.get("master_id", "")},
         )
         return job
 
@@ -559,7 +594,11 @@ class Job:
 
     def _reply(self, command: Command) -> CommandReply:
         return CommandReply(
-            command=command, round=self.rdzv.round, outcome=self.outcome, master_id=self.master_id
+            command=command,
+            round=self.rdzv.round,
+            term=self.round_term,
+            outcome=self.outcome,
+            master_id=self.master_id,
         )
 
     def _assignment(self, slot) -> Assignment:
@@ -577,6 +616,7 @@ class Job:
             members=current.members,
             committed_step=self.committed_step,
             check=self.node_check.covers(current.number),
+            term=self.round_term,
         )
 
     def _exclude_reply(self, node_id: str) -> CommandReply:
@@ -644,6 +684,7 @@ class Job:
             self.liveness.forget(excluded)
             self.rdzv.remove(excluded, now)
             self.excluded_nodes[excluded] = self.nodes.pop(excluded)
+            self._effects.wake = True
         left = [m for m in members if m not in self.node_check.excluded]
         if len(left) < self.settings.min_nodes:
             summary = (
@@ -664,9 +705,9 @@ class Job:
         if steps and all(s is not None for s in steps):
             newest = min(steps)
             if self.committed_step is None or newest > self.committed_step:
+                # Soft state (rebuilt from heartbeats after a failover): no store write per step.
                 self.committed_step = newest
                 self.stats.checkpoints_committed += 1
-                self.version += 1
 
     def _update_persisted_count(self, now: float) -> None:
         """Count the times the newest step some node made durable moved forward (soft state: counted with
@@ -739,10 +780,12 @@ class Job:
         event = Event(now, kind, message, seq=self.event_count, **fields)
         self.events.append(event)
         self.stats.apply(event)
+        self._effects.events.append(event)
         self.version += 1
 
     def _finish(self, outcome: Outcome, now: float) -> None:
         self.outcome = outcome
+        self._effects.wake = True
         training = self._training_stopped(now)
         self.goodput.end(now)
         self._event(
@@ -774,6 +817,7 @@ class Job:
         for node in self.nodes.values():
             node.ckpt_step = None  # checkpoint reports count per round; the committed step stays
         number = self.rdzv.open_round(now, expected)
+        self._effects.wake = True  # members' watches answer "rejoin"
         data: dict = {}
         if cause is not None:
             began = now if began_at is None else min(began_at, now)
@@ -880,6 +924,7 @@ class Job:
         if node is None:
             return
         self.removed_count += 1
+        self._effects.wake = True  # the removed node's own long-polls answer differently now
         began = now if began_at is None else began_at
         self._event(now, kind, why, node=node_id, cause=NODE_LOSS, durations={"detect": now - began})
         self._attribute_failure_to_loss(node_id, now, began)
@@ -930,6 +975,8 @@ class Job:
             if closed is None:
                 self._pending_failure = pending
             if closed is not None:
+                self.round_term = self.term  # assignments are first revealed now, under this term
+                self._effects.wake = True  # waiting nodes get their assignment
                 for slot in closed.slots:
                     self.nodes[slot.node_id].state = NodeState.STARTING
                     self.nodes[slot.node_id].round = closed.number

@@ -134,9 +134,6 @@ class MasterService:
         self.master_id = uuid.uuid4().hex[:12]
         self.job: Job | None = None  # None while standing by
         self._notifier: Notifier | None = None
-        self._logged_events = 0
-        self._seen_version = -1
-        self._seen_poll_key: tuple | None = None
         self._dirty: asyncio.Event | None = None
         self._lost: asyncio.Event | None = None
         self._saved_version = -1  # the current job's version that the store holds (see stored())
@@ -216,21 +213,17 @@ class MasterService:
         return self.job
 
     def changed(self) -> None:
-        """Call after every mutation: logs new events, persists, and wakes waiters if anything changed."""
+        """Call after every mutation: carry out its effects (master.job_effects): log its events, have
+        durable changes persisted, wake the long-polls whose answer may have changed."""
         job = self.job
         if job is None:
             return
-        fresh = min(job.event_count - self._logged_events, len(job.events))
-        for event in list(job.events)[len(job.events) - fresh :]:
+        effects = job.take_effects()
+        for event in effects.events:
             log.info("%s: %s", event.kind, printable(event.message))  # messages quote nodes' own words
-        self._logged_events = job.event_count
-        if job.version != self._seen_version:
-            self._seen_version = job.version
-            if self._dirty is not None:
-                self._dirty.set()
-        poll_key = job.long_poll_key()
-        if poll_key != self._seen_poll_key:
-            self._seen_poll_key = poll_key
+        if effects.persist and self._dirty is not None:
+            self._dirty.set()
+        if effects.wake:
             self.notifier.notify()  # only then can a pending long-poll's answer have changed
 
     def tick(self) -> None:
@@ -261,10 +254,13 @@ class MasterService:
                 continue
             now = self.clock()
             job_settings = self.settings.job
-            self.job = self._restore(snapshot, now) if snapshot else Job(job_settings, now, self.master_id)
+            term = self.store.term
+            self.job = (
+                self._restore(snapshot, now, term)
+                if snapshot
+                else Job(job_settings, now, self.master_id, term)
+            )
             self._led_since = now
-            self._logged_events = self.job.event_count - 1 if snapshot else 0
-            self._seen_poll_key = None
             if self.event_log is not None:
                 self.event_log.resume()  # continue the file past what a previous leader wrote
             self._saved_version = -1
@@ -289,11 +285,11 @@ class MasterService:
             self.job = None
             self.notifier.notify()
 
-    def _restore(self, snapshot: dict, now: float) -> Job:
+    def _restore(self, snapshot: dict, now: float, term: int) -> Job:
         """The job continued from the stored state; :class:`StateFormatError` (one line naming the key)
         when this master cannot read it."""
         try:
-            return Job.restore(self.settings.job, snapshot, now, self.master_id)
+            return Job.restore(self.settings.job, snapshot, now, self.master_id, term)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             where, job_id = self.store.state_location, self.settings.job.job_id
             raise StateFormatError(
@@ -341,9 +337,9 @@ class MasterService:
         """Return once the store holds the job state as it is now. A reply that reveals durable state a
         client keeps (a node's new secret) waits for this, so that a master taking over knows what the
         reply said; a 503 (the client asks another master) when this master stops leading first."""
-        job = self.leading_job()
         if not self.store.durable:
             return
+        job = self.leading_job()
         target = job.version
         while self._saved_version < target:
             if self.job is not job or not self.store.leading:
@@ -368,8 +364,11 @@ class MasterService:
                 ticket = self.notifier.ticket()  # before the check: a change after it sets the ticket
                 result = probe()
                 remaining = deadline - self.clock()
-                if result is not None or remaining <= 0:
+                if result is not None:
+                    await self.stored()  # write-ahead: an answer never reveals a state not stored yet
                     return result
+                if remaining <= 0:
+                    return None
                 change = asyncio.ensure_future(_wait_for(ticket, remaining))
                 await asyncio.wait({change, gone} - {None}, return_when=asyncio.FIRST_COMPLETED)
                 if gone is not None and gone.done():
@@ -556,11 +555,15 @@ def create_app(service: MasterService) -> FastAPI:
     async def info() -> JobInfo:
         return job().info()
 
+    async def stored(reply: T) -> T:
+        """Write-ahead: return ``reply`` once the store holds every durable fact it may reveal (the
+        node's credential, a round and its assignment, a verdict); a 503 if leadership is lost first."""
+        await service.stored()
+        return reply
+
     @app.post(f"{API_PREFIX}/join")
     async def join(req: JoinRequest, node_secret: NodeSecret = None) -> JoinReply:
-        reply = mutate(lambda: job().join(req, service.clock(), node_secret))
-        await service.stored()  # the node's credential is durable before the node learns it
-        return reply
+        return await stored(mutate(lambda: job().join(req, service.clock(), node_secret)))
 
     @app.get(f"{API_PREFIX}/round")
     async def next_round(
@@ -576,12 +579,12 @@ def create_app(service: MasterService) -> FastAPI:
             request,
             lambda: lost(node_id, node_secret),
         )
-        return reply or RoundReply(status="waiting", round=job().rdzv.round)
+        return reply or await stored(RoundReply(status="waiting", round=job().rdzv.round))
 
     @app.post(f"{API_PREFIX}/heartbeat")
     async def heartbeat(req: HeartbeatRequest, node_secret: NodeSecret = None) -> CommandReply:
         service.health.heartbeat(service.clock())
-        return mutate(lambda: job().heartbeat(req, service.clock(), node_secret))
+        return await stored(mutate(lambda: job().heartbeat(req, service.clock(), node_secret)))
 
     @app.get(f"{API_PREFIX}/watch")
     async def watch(
@@ -589,21 +592,23 @@ def create_app(service: MasterService) -> FastAPI:
         node_id: Annotated[str, Query(min_length=1, max_length=128)],
         round: Annotated[int, Query(ge=0)],
         timeout: Annotated[float, Query(ge=0, le=LONG_POLL_CAP_S)] = 10.0,
+        term: Annotated[int | None, Query(ge=0)] = None,
         node_secret: NodeSecret = None,
     ) -> CommandReply:
-        """Long-poll: returns as soon as the node must do something other than continue."""
+        """Long-poll: returns as soon as the node must do something other than continue. ``term``: the
+        term of the node's round (its assignment's); omitted by agents that predate terms."""
 
         def probe() -> CommandReply | None:
-            reply = job().watch(node_id, round, node_secret)
+            reply = job().watch(node_id, round, node_secret, term)
             return None if reply.command.value == "continue" else reply
 
         reply = await service.long_poll(probe, timeout, request, lambda: lost(node_id, node_secret))
-        return reply or job().watch(node_id, round, node_secret)
+        return reply or await stored(job().watch(node_id, round, node_secret, term))
 
     @app.post(f"{API_PREFIX}/leave")
     async def leave(req: LeaveRequest, node_secret: NodeSecret = None) -> CommandReply:
         mutate(lambda: job().leave(req.node_id, req.reason, service.clock(), node_secret))
-        return job().command_for(req.node_id, 0)
+        return await stored(job().command_for(req.node_id, 0))
 
     @app.get(f"{API_PREFIX}/status")
     async def status() -> JobStatus:

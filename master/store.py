@@ -50,6 +50,12 @@ class StateStore(abc.ABC):
         return True
 
     @property
+    def term(self) -> int:
+        """The current leadership term, while leading: a number that grows with every new leader of the
+        job (rounds are identified by ``(term, number)``). In-process stores have one term."""
+        return 1
+
+    @property
     def state_location(self) -> str:
         """Where the job state lives, for error messages (an etcd key names itself)."""
         return "memory"
