@@ -19,7 +19,7 @@ log = logging.getLogger("elastic.agent")
 def connect_or_host_master(settings: AgentSettings, embed_at: str | None):
     """Return ``(embedded master or None, settings with the master addresses filled in)``."""
     if settings.standalone:
-        from master.server import EmbeddedMaster  # the web stack (~0.3 s of imports) only when hosting
+        from master.serving import EmbeddedMaster  # the web stack (~0.3 s of imports) only when hosting
         from master.settings import ServerSettings
 
         # On 127.0.0.1 only, so plain http: a --tls-ca (or ELASTIC_TLS_CA) meant for daemons is not used.
@@ -42,7 +42,7 @@ def connect_or_host_master(settings: AgentSettings, embed_at: str | None):
                 return None, settings
             except MasterUnreachableError:
                 if may_host and embed_at is not None:
-                    from master.server import EmbeddedMaster, bind_socket
+                    from master.serving import EmbeddedMaster, bind_socket
                     from master.settings import ServerSettings
 
                     host, port = split_address(embed_at)

@@ -4,9 +4,10 @@ A Unix datagram socket in a private folder; one thread receives reports and keep
 the last step, when it last advanced, recent step times and the newest checkpointed step. Checkpoint
 reports are also passed to an optional ``on_checkpoint(local_rank, step, location, persist_to)``
 callback (the checkpoint keeper), called on the receiving thread: it must not block. A report that
-carries the worker's round (``rd``, from ``ELASTIC_ROUND``) passes it as ``round_number=``, which
-fences the keeper's persist; reports of workers that do not send it call the callback without it. A
-checkpoint report that carries the save's duration (``sv``, seconds) adds it to :attr:`save_latency`.
+carries the worker's round (from ``ELASTIC_ROUND``) passes it as ``round_number=``, which fences the
+keeper's persist; reports of workers that do not send it call the callback without it. A checkpoint
+report that carries the save's duration (seconds) adds it to :attr:`save_latency`. The datagram's form
+is :class:`elastic.contract.Progress`.
 
 Workers send checkpoint reports with a blocking send (see :mod:`elastic.report`): while this thread
 is stalled they wait in the kernel's queue instead of being dropped.
@@ -14,9 +15,7 @@ is stalled they wait in the kernel's queue instead of being dropped.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import socket
 import statistics
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agent.latency import LatencyHistogram
+from elastic.contract import MAX_DATAGRAM_BYTES, MalformedDatagram, Progress, ProgressKind
 
 RECENT_STEPS = 20
 
@@ -114,35 +114,32 @@ class ProgressChannel:
     def _receive(self) -> None:
         while not self._closed:
             try:
-                data = self._sock.recv(65536)
+                data = self._sock.recv(MAX_DATAGRAM_BYTES)
             except OSError:
                 return  # closed
             try:
-                message = json.loads(data)
-                rank, kind, step = int(message["r"]), str(message["k"]), int(message["step"])
-                location, persist_to = str(message.get("loc") or ""), str(message.get("dir") or "")
-                compute = float(message["b"]) if "b" in message else None
-                fence = {"round_number": int(message["rd"])} if "rd" in message else {}
-                save_s = float(message["sv"]) if kind == "ckpt" and "sv" in message else None
-            except (ValueError, KeyError, TypeError, AttributeError):
+                report = Progress.decode(data)
+            except MalformedDatagram:
                 continue  # a malformed datagram is dropped; workers cannot break the agent
-            current = self._apply(rank, kind, step, compute)
-            if current and save_s is not None and math.isfinite(save_s) and save_s >= 0:
-                self.save_latency.observe(save_s)
-            if current and kind == "ckpt" and self._on_checkpoint is not None:
+            rank, kind, step = report.local_rank, report.kind, report.step
+            current = self._apply(rank, kind, step, report.compute_s)
+            if current and report.save_s is not None:
+                self.save_latency.observe(report.save_s)
+            if current and kind is ProgressKind.CKPT and self._on_checkpoint is not None:
+                fence = {"round_number": report.round} if report.round is not None else {}
                 try:
-                    self._on_checkpoint(rank, step, location, persist_to, **fence)
+                    self._on_checkpoint(rank, step, report.location, report.persist_to, **fence)
                 except Exception:  # a failing callback must not stop progress reports
                     log.exception("checkpoint callback failed for local rank %d step %d", rank, step)
 
-    def _apply(self, rank: int, kind: str, step: int, compute: float | None = None) -> bool:
+    def _apply(self, rank: int, kind: ProgressKind, step: int, compute: float | None = None) -> bool:
         """Record a report; False when it is of no current local rank."""
         now = time.monotonic()
         with self._lock:
             progress = self._ranks.get(rank)
             if progress is None:
                 return False
-            if kind == "step":
+            if kind is ProgressKind.STEP:
                 if progress.step is None or step > progress.step:
                     if progress.step is not None:
                         progress.step_times.append((now - progress.advanced_at) / (step - progress.step))
@@ -151,8 +148,8 @@ class ProgressChannel:
                         progress.first_step_at = now
                     if compute is not None and compute >= 0:
                         progress.compute_times.append(compute)
-            elif kind == "ckpt" and (progress.ckpt_step is None or step > progress.ckpt_step):
+            elif kind is ProgressKind.CKPT and (progress.ckpt_step is None or step > progress.ckpt_step):
                 progress.ckpt_step = step
-            elif kind == "done":
+            elif kind is ProgressKind.DONE:
                 progress.done = True
         return True

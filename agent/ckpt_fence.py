@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic import ckpt_layout as layout
+from elastic import errors
 
 log = logging.getLogger("elastic.agent")
 
@@ -41,7 +42,7 @@ _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _warned_no_flock = False
 
 
-class FenceLockTimeoutError(TimeoutError):
+class FenceLockTimeoutError(errors.CheckpointError, TimeoutError):
     """Another writer held the folder's fence lock for longer than the wait allowed (or it was cancelled)."""
 
 

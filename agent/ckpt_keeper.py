@@ -4,18 +4,13 @@ Workers flash-save into the folder (see :mod:`elastic.checkpoint`): a file appea
 once complete, so the folder only ever shows whole checkpoints, and it outlives the worker that wrote
 it. The keeper:
 
-* **start**: takes ``<root>/elastic-<job>-<node>/`` (mode 0700, ``root`` is ``/dev/shm``) by an exclusive
-  ``flock`` of its ``.lock`` file, held until stop (:mod:`agent.shm_lock`): a held lock is a live agent
-  of the same job and node, an error; a free one means its previous owner is gone, however it ended
-  (killed, an unreaped zombie, another PID namespace), and its leftovers are removed (takeover). Other
-  ``elastic-*`` folders whose lock is free are removed too (crashed agents with another node id); a
-  folder without a lock file (an older agent's) is judged by its owner record (host, pid, start time).
+* **start**: takes ``<root>/elastic-<job>-<node>/`` (``root`` is ``/dev/shm``) and removes dead agents'
+  folders (:mod:`agent.shm_folder`: a lifetime lock, an owner record, takeover of a dead owner's).
 * **persists** each checkpoint a worker reports with its location (only the node of group rank 0 asks,
   see :func:`elastic.checkpoint.save`) in a background thread, to the folder the report names (the
   script's checkpoint folder, by default ``ELASTIC_CKPT_DIR`` = the agent's ``--ckpt-dir``), else to
-  ``ckpt_dir``: copy to a temp file, fsync, then commit it fenced by the worker's round
-  (:mod:`agent.ckpt_fence`: rename, fsync the folder, move ``latest`` never backwards, prune only older
-  files); the newest ``keep`` are kept. A node's sharded save (``<folder>/sharded``, reported by local
+  ``ckpt_dir`` (:mod:`agent.ckpt_persist`: a temp file, fsync, then a commit fenced by the worker's
+  round); the newest ``keep`` are kept. A node's sharded save (``<folder>/sharded``, reported by local
   rank 0 of every node) is replicated to peers (:mod:`agent.replication`) and its part persisted to
   ``<target>/sharded`` (:mod:`agent.sharded_persist`: the node completing a step commits it).
 * **sweeps** temp files of dead writers from the folder (a worker killed mid-save leaves a
@@ -31,139 +26,38 @@ it. The keeper:
 
 Persist policy when a persist is still running at the next save: the worker is never blocked (its report
 is queued by the kernel). Reports wait in a slot per kind (replicated file, sharded save) that each newer
-report of the kind replaces; when the running
-persist finishes, the newest pending checkpoint is persisted and the ones in between are skipped. The
-disk copy thus lags memory by about one persist duration; a slow disk costs disk freshness, never
-training time. A pending file that its worker pruned meanwhile (memory keeps two) is skipped too: a
-newer one exists and its report follows.
+report of the kind replaces; when the running persist finishes, the newest pending checkpoint is
+persisted and the ones in between are skipped. The disk copy thus lags memory by about one persist
+duration; a slow disk costs disk freshness, never training time.
 
-Test hook (the only one): ``persist_delay_s`` (``ELASTIC_PERSIST_DELAY_S``, read by the CLI, ``D`` or
-``D@S``) pauses every persist of a step >= ``S`` for ``D`` seconds right after the first chunk of the
-temp file is written, i.e. in the middle of the copy. A stop ends the pause.
-
+Test hook: ``persist_delay_s`` (:mod:`agent.ckpt_persist`) pauses a persist mid-copy; a stop ends it.
 Standard library (and psutil) only: the agent never imports torch.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import re
-import shutil
-import socket
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-import psutil
-
-from agent import ckpt_fence, sharded_persist, shm_lock
+from agent import ckpt_fence, ckpt_persist, shm_folder
+from agent.ckpt_persist import PERSIST_DELAY_ENV, Request, parse_persist_delay
+from agent.shm_folder import DEFAULT_ROOT, folder_name
 from elastic import ckpt_layout as layout
-from elastic import shard_layout
+from elastic import contract, shard_layout
 
 log = logging.getLogger("elastic.agent")
 
-DEFAULT_ROOT = Path("/dev/shm")
 DEFAULT_KEEP = 3
-SHM_DIR_ENV = "ELASTIC_SHM_DIR"
-PERSIST_DELAY_ENV = "ELASTIC_PERSIST_DELAY_S"
-FOLDER_PREFIX = "elastic-"
-OWNER_FILE = ".owner"
+SHM_DIR_ENV = contract.SHM_DIR
 #: A persist that wrote nothing for this long is reported as stalled, and given up at stop.
 DEFAULT_STALL_S = 30.0
 #: The stop gives up a persist still running this long after the stop began, even one making progress.
 DEFAULT_STOP_CAP_S = 600.0
 _JOIN_SLICE_S = 0.2
-_COPY_CHUNK = 8 << 20
-_SYNC_EVERY = 256 << 20
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
-
-
-class KeeperError(Exception):
-    """The shared-memory folder cannot be set up (e.g. another live agent holds it)."""
-
-
-def folder_name(job_id: str, node_id: str) -> str:
-    """``elastic-<job>-<node>``, with characters outside ``[A-Za-z0-9_.-]`` replaced (the owner record
-    keeps the exact ids)."""
-
-    def clean(text: str) -> str:
-        return _UNSAFE.sub("_", text)[:100] or "_"
-
-    return f"{FOLDER_PREFIX}{clean(job_id)}-{clean(node_id)}"
-
-
-def parse_persist_delay(text: str | None) -> tuple[float, int]:
-    """``"D"`` or ``"D@S"`` → ``(D seconds, from step S)``; empty → no delay."""
-    if not text:
-        return 0.0, 0
-    seconds, _, step = text.partition("@")
-    try:
-        delay, first = float(seconds), int(step or 0)
-    except ValueError:
-        raise ValueError(f"{PERSIST_DELAY_ENV} must be SECONDS or SECONDS@STEP, got {text!r}") from None
-    if delay < 0:
-        raise ValueError(f"{PERSIST_DELAY_ENV} must not be negative, got {text!r}")
-    return delay, first
-
-
-@dataclass(frozen=True)
-class _Owner:
-    job: str
-    node: str
-    host: str
-    pid: int
-    started: float  # process create time, so that a reused pid is not taken for the owner
-
-    def alive(self) -> bool:
-        try:
-            return abs(psutil.Process(self.pid).create_time() - self.started) < 1.0
-        except psutil.NoSuchProcess:
-            return False
-        except psutil.Error:
-            return True  # cannot tell: leave it alone
-
-    @classmethod
-    def me(cls, job: str, node: str) -> _Owner:
-        return cls(job, node, socket.gethostname(), os.getpid(), psutil.Process().create_time())
-
-    @classmethod
-    def read(cls, folder: Path) -> _Owner | None:
-        try:
-            data = json.loads((folder / OWNER_FILE).read_text())
-            return cls(
-                str(data["job"]),
-                str(data["node"]),
-                str(data["host"]),
-                int(data["pid"]),
-                float(data["started"]),
-            )
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):.1f} MiB"
-
-
-@dataclass(frozen=True)
-class _Request:
-    """A checkpoint to persist: its step, file in memory (a sharded save: the node's data folder, and
-    ``save_id``), target folder and the worker's round."""
-
-    step: int
-    source: Path
-    target: Path
-    round: int | None
-    save_id: str = ""  # a sharded save's (agent.sharded_persist); "" for a replicated checkpoint file
-
-    @property
-    def kind(self) -> str:
-        return "sharded" if self.save_id else "file"
 
 
 class CheckpointKeeper:
@@ -207,9 +101,9 @@ class CheckpointKeeper:
         self.persist_seconds = (0, 0.0)  # (persists that ended without error, their total time): metrics
         self._cond = threading.Condition()
         # One slot per kind (replicated file, sharded save), each replaced by a newer report.
-        self._pending: dict[str, _Request] = {}
-        self._last_request: dict[str, _Request] = {}
-        self._current: _Request | None = None  # the persist running now
+        self._pending: dict[str, Request] = {}
+        self._last_request: dict[str, Request] = {}
+        self._current: Request | None = None  # the persist running now
         self._progress_at = time.monotonic()  # when the running persist last wrote (or began)
         self._busy = False
         self._stopping = threading.Event()
@@ -223,27 +117,13 @@ class CheckpointKeeper:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> CheckpointKeeper:
-        """Remove stale folders, take this node's (see the module doc), start the persist thread."""
-        self._remove_stale()
-        try:
-            self._lock_fd = shm_lock.acquire(self.folder)
-        except shm_lock.FolderHeldError:
-            holder = _Owner.read(self.folder)
-            who = f"pid {holder.pid} on {holder.host}" if holder else "owner record not written yet"
-            raise KeeperError(
-                f"another agent ({who}) of job {self.job_id} node {self.node_id} holds {self.folder}; "
-                "give each agent its own --node-id"
-            ) from None
-        except OSError as exc:
-            raise KeeperError(f"cannot create {self.folder}: {exc}") from exc
+        """Take this node's folder (:func:`agent.shm_folder.take`), start the persist thread.
+
+        Raises:
+            agent.shm_folder.KeeperError: the folder cannot be taken or set up.
+        """
+        self._lock_fd = shm_folder.take(self.root, self.folder, self.job_id, self.node_id)
         self._started = True
-        try:
-            self._take_over()
-            record = json.dumps(_Owner.me(self.job_id, self.node_id).__dict__).encode()
-            layout.atomic_write(self.folder / OWNER_FILE, lambda f: f.write(record), durable=False)
-        except OSError as exc:
-            self.stop()
-            raise KeeperError(f"cannot set up {self.folder}: {exc}") from exc
         self._thread = threading.Thread(target=self._persist_loop, name="ckpt-keeper", daemon=True)
         self._thread.start()
         log.info("checkpoint memory: %s", self.folder)
@@ -273,39 +153,33 @@ class CheckpointKeeper:
                 self.skipped,
                 self.superseded,
                 self.failures,
-                _mib(self.swept_bytes),
+                shm_folder.mib(self.swept_bytes),
             )
         self._stopping.set()
         if self.replicator is not None:
             self.replicator.stop()
         if self.replica_server is not None:
             self.replica_server.close()
-        if self._started:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            self._started = False
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # after the removal: nobody takes the folder over half-removed
-            self._lock_fd = None
+            shm_folder.release(self.folder, self._lock_fd)
+            self._started, self._lock_fd = False, None
 
     def _queue_newest(self) -> None:
         """At stop: queue the newest memory checkpoint (of each kind) when it is newer than the last persist
         request (a ``persist=False`` save, or a request lost with its worker), to where that request went."""
         with self._cond:
-            for kind, last in list(self._last_request.items()):
-                if kind == "sharded":
-                    saves = shard_layout.committed(self.folder / shard_layout.SHARDED_SUBDIR)[:1]
-                    newest = [_Request(s, data, last.target, last.round, sid) for s, sid, data in saves]
-                else:
-                    files = layout.checkpoint_files(self.folder)[:1]
-                    newest = [_Request(s, path, last.target, last.round) for s, path in files]
-                if not newest or newest[0].step <= last.step:
+            for last in list(self._last_request.values()):
+                newest = ckpt_persist.newest_in(self.folder, last)
+                if newest is None or newest.step <= last.step:
                     continue
                 log.info(
-                    "persisting the newest %s checkpoint in memory (step %d) at stop", kind, newest[0].step
+                    "persisting the newest %s checkpoint in memory (step %d) at stop",
+                    newest.kind,
+                    newest.step,
                 )
-                self._queue(newest[0])
+                self._queue(newest)
 
-    def _queue(self, request: _Request) -> None:
+    def _queue(self, request: Request) -> None:
         """Put ``request`` in its kind's slot (the caller holds ``_cond``)."""
         if request.kind in self._pending:
             self.skipped += 1
@@ -343,7 +217,11 @@ class CheckpointKeeper:
         if freed:
             with self._cond:
                 self.swept_bytes += freed
-            log.info("removed temp files of killed writes from %s: %s reclaimed", self.folder, _mib(freed))
+            log.info(
+                "removed temp files of killed writes from %s: %s reclaimed",
+                self.folder,
+                shm_folder.mib(freed),
+            )
         return freed
 
     def persist_status(self) -> tuple[int | None, str]:
@@ -361,66 +239,11 @@ class CheckpointKeeper:
         with self._cond:
             return len(self._pending) + int(self._busy)
 
-    def _take_over(self) -> None:
-        """Remove what a dead previous owner left in the folder (all but the lock we now hold)."""
-        previous = _Owner.read(self.folder)
-        freed = 0
-        for entry in self.folder.iterdir():
-            if entry.name == shm_lock.LOCK_FILE:
-                continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-                continue
-            try:
-                freed += entry.lstat().st_size
-            except FileNotFoundError:
-                continue
-            entry.unlink(missing_ok=True)
-        if previous is not None:
-            log.info(
-                "took over the checkpoint memory of a dead agent (pid %d on %s): %s, %s freed",
-                previous.pid,
-                previous.host,
-                self.folder,
-                _mib(freed),
-            )
-
     def __enter__(self) -> CheckpointKeeper:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    def _remove_stale(self) -> None:
-        """Remove other agents' folders whose owner is gone (this node's own folder is taken in start)."""
-        try:
-            entries = [e for e in self.root.iterdir() if e.name.startswith(FOLDER_PREFIX) and e.is_dir()]
-        except FileNotFoundError:
-            raise KeeperError(f"the shared-memory root {self.root} does not exist") from None
-        for folder in entries:
-            if folder == self.folder:
-                continue
-            try:
-                fd = shm_lock.try_lock(folder / shm_lock.LOCK_FILE)
-            except FileNotFoundError:
-                if self._dead_by_owner_record(folder):  # an older agent's folder, without a lock file
-                    _discard(folder)
-                continue
-            except OSError:
-                continue  # not ours to judge (e.g. another user's)
-            if fd is None:
-                continue  # its agent lives
-            try:
-                _discard(folder)
-            finally:
-                os.close(fd)
-
-    @staticmethod
-    def _dead_by_owner_record(folder: Path) -> bool:
-        owner = _Owner.read(folder)
-        # No record: not a folder of ours, or one still being set up. Another host's (a shared /dev/shm):
-        # its pids mean nothing here.
-        return owner is not None and owner.host == socket.gethostname() and not owner.alive()
 
     # -- reports ----------------------------------------------------------------------------------
     def on_checkpoint(
@@ -460,28 +283,16 @@ class CheckpointKeeper:
             # The latest report is the newest save (one writer per node), even at a lower step: after a
             # rollback to an earlier step, that is the run that goes on.
             self.requests += 1
-            self._queue(_Request(step, path, target, round_number))
+            self._queue(Request(step, path, target, round_number))
 
     def _on_sharded(self, step: int, link: Path, target: Path | None, round_number: int | None) -> None:
         if target is None or not target.is_absolute():
             return
-        try:
-            match = shard_layout.DATA_DIR.match(os.readlink(link))
-        except OSError:
-            match = None
-        if match is None or int(match.group(1)) != step:
-            log.info("sharded checkpoint of step %d was replaced in memory before its persist; skipped", step)
-            return
-        request = _Request(
-            step,
-            link.parent / match.group(0),
-            target / shard_layout.SHARDED_SUBDIR,
-            round_number,
-            match.group(2),
-        )
-        with self._cond:
-            self.requests += 1
-            self._queue(request)
+        request = ckpt_persist.sharded_request(step, link, target, round_number)
+        if request is not None:
+            with self._cond:
+                self.requests += 1
+                self._queue(request)
 
     def replication_fields(self) -> dict[str, object]:
         """What the heartbeats say about peer replication (empty when it is off)."""
@@ -534,126 +345,41 @@ class CheckpointKeeper:
                     self._busy, self._current = False, None
                     self._cond.notify_all()
 
-    def _fail(self, request: _Request, message: str) -> None:
+    def _fail(self, request: Request, message: str) -> None:
         text = f"step {request.step} to {request.target}: {message}"
         with self._cond:
             self.failures += 1
             self.persist_error = text
         log.warning("could not persist the checkpoint of %s", text)
 
-    def _persist(self, request: _Request) -> None:
-        if request.save_id:
-            self._persist_sharded(request)
-            return
-        started = time.monotonic()
-        try:
-            # Open first: the worker may prune or recycle the file any time; an open file under the
-            # shared lock stays readable and unchanged.
-            src = layout.open_shared(request.source)
-        except FileNotFoundError:
-            log.info("checkpoint of step %d was replaced in memory before its persist; skipped", request.step)
-            return
-        with src:
-            request.target.mkdir(parents=True, exist_ok=True)
-            final = request.target / request.source.name
-            tmp = layout.write_temp(final, lambda dst: self._copy(src, dst, request.step))
-        if self._abandon.is_set():  # the stop gave this persist up: publish nothing behind its back
-            tmp.unlink(missing_ok=True)
-            return
-        decision = ckpt_fence.commit(
-            request.target,
-            tmp,
-            final,
-            round_=request.round,
-            step=request.step,
+    def _persist(self, request: Request) -> None:
+        outcome = ckpt_persist.persist(
+            request,
             keep=self.keep,
+            copy=lambda src, dst: self._copy(src, dst, request.step),
             lock_timeout_s=self.lock_timeout_s,
             cancel=self._abandon,
         )
-        if not decision.publish:
-            with self._cond:
-                self.superseded += 1
-            log.info("not persisting the checkpoint of step %d: %s", request.step, decision.why)
-            return
         with self._cond:
-            self.persisted_step, self.persist_error = request.step, ""
-            self.persisted += 1
-        log.debug(
-            "persisted the checkpoint of step %d to %s in %.2fs (%s)",
-            request.step,
-            final,
-            time.monotonic() - started,
-            decision.why,
-        )
-
-    def _persist_sharded(self, request: _Request) -> None:
-        started = time.monotonic()
-        try:
-            outcome = sharded_persist.persist(
-                request.source,
-                request.target,
-                step=request.step,
-                save_id=request.save_id,
-                round_=request.round,
-                keep=self.keep,
-                copy=lambda src, dst: self._copy(src, dst, request.step),
-                lock_timeout_s=self.lock_timeout_s,
-                cancel=self._abandon,
-            )
-        except FileNotFoundError:
-            log.info(
-                "sharded checkpoint of step %d was replaced in memory before its persist; skipped",
-                request.step,
-            )
-            return
-        if not outcome.published:
-            if not self._abandon.is_set():
-                with self._cond:
-                    self.superseded += 1
-                log.info("not persisting the sharded checkpoint of step %d: %s", request.step, outcome.why)
-            return
-        with self._cond:
-            self.persisted += 1
-            self.persist_error = ""
-            if outcome.committed:
-                self.persisted_step = request.step
-            self._cond.notify_all()
-        log.debug(
-            "persisted this node's part of the sharded checkpoint of step %d to %s in %.2fs%s",
-            request.step,
-            request.target,
-            time.monotonic() - started,
-            " (the step is complete there)" if outcome.committed else "",
-        )
+            self.superseded += outcome.superseded
+            if outcome.published:
+                self.persisted += 1
+                self.persist_error = ""
+                if outcome.committed:
+                    self.persisted_step = request.step
+                self._cond.notify_all()
 
     def _copy(self, src: BinaryIO, dst: BinaryIO, step: int) -> None:
-        first = True
-        unsynced = 0
-        while chunk := src.read(_COPY_CHUNK):
-            dst.write(chunk)
-            unsynced += len(chunk)
-            if unsynced >= _SYNC_EVERY:
-                # Flush as we go: the final fsync then stays short, so that a long silence means a hung
-                # disk (see stall_s), not a large checkpoint's last flush.
-                dst.flush()
-                os.fdatasync(dst.fileno())
-                unsynced = 0
-            self._progress_at = time.monotonic()
-            if first and self.persist_delay_s and step >= self.persist_delay_from_step:
-                dst.flush()  # the torn temp file is visible on disk during the pause
-                self._stopping.wait(self.persist_delay_s)
-            first = False
+        pause = self.persist_delay_s and step >= self.persist_delay_from_step
+        ckpt_persist.copy(
+            src,
+            dst,
+            on_progress=self._note_progress,
+            pause=(lambda: self._stopping.wait(self.persist_delay_s)) if pause else None,
+        )
 
-
-def _discard(folder: Path) -> None:
-    """Remove a dead agent's folder: renamed away first, so that a new folder of that name is never hit."""
-    log.info("removing the checkpoint memory of a dead agent: %s", folder)
-    trash = folder.with_name(f".{folder.name}.{os.getpid()}.removing")
-    try:
-        folder.rename(trash)
-    except OSError:
-        trash = folder
-    shutil.rmtree(trash, ignore_errors=True)
+    def _note_progress(self) -> None:
+        self._progress_at = time.monotonic()
 
 
 def keeper_for(

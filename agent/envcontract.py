@@ -1,7 +1,7 @@
 """The worker environment: torchrun's contract, so unmodified torchrun scripts work.
 
-Our own additions are prefixed ``ELASTIC_``. ``TORCHELASTIC_ERROR_FILE`` is added by the worker group,
-which owns the per-attempt error files.
+Our own additions are prefixed ``ELASTIC_``; every name is a constant of :mod:`elastic.contract`.
+``TORCHELASTIC_ERROR_FILE`` is added by the worker group, which owns the per-attempt error files.
 """
 
 from __future__ import annotations
@@ -9,30 +9,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from elastic import contract as c
+
 if TYPE_CHECKING:  # only for annotations: the warm zygote side imports CONTRACT without pydantic
     from elastic.protocol import Assignment
 
-CONTRACT = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "ROLE_NAME",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    "OMP_NUM_THREADS",
-)
+#: torchrun's per-worker variables (names: :mod:`elastic.contract`).
+CONTRACT = c.TORCHRUN_VARIABLES
 #: The worker's real local rank (what progress reports name it by), whatever LOCAL_RANK says.
-LOCAL_RANK_ENV = "ELASTIC_LOCAL_RANK"
+LOCAL_RANK_ENV = c.ELASTIC_LOCAL_RANK
 
 
 def worker_envs(
@@ -51,32 +36,32 @@ def worker_envs(
         env = dict(base)
         env.update(
             {
-                "RANK": str(rank),
-                "LOCAL_RANK": str(local_rank),
-                "WORLD_SIZE": str(assignment.world_size),
-                "LOCAL_WORLD_SIZE": str(nproc),
-                "GROUP_RANK": str(assignment.node_rank),
-                "GROUP_WORLD_SIZE": str(assignment.nnodes),
+                c.RANK: str(rank),
+                c.LOCAL_RANK: str(local_rank),
+                c.WORLD_SIZE: str(assignment.world_size),
+                c.LOCAL_WORLD_SIZE: str(nproc),
+                c.GROUP_RANK: str(assignment.node_rank),
+                c.GROUP_WORLD_SIZE: str(assignment.nnodes),
                 # One role per job (as torchrun), so role ranks equal global ranks.
-                "ROLE_RANK": str(rank),
-                "ROLE_WORLD_SIZE": str(assignment.world_size),
-                "ROLE_NAME": role,
-                "MASTER_ADDR": assignment.master_addr,
-                "MASTER_PORT": str(assignment.master_port),
-                "TORCHELASTIC_RESTART_COUNT": str(assignment.restart_count),
-                "TORCHELASTIC_MAX_RESTARTS": str(assignment.max_restarts),
-                "TORCHELASTIC_RUN_ID": run_id,
+                c.ROLE_RANK: str(rank),
+                c.ROLE_WORLD_SIZE: str(assignment.world_size),
+                c.ROLE_NAME: role,
+                c.MASTER_ADDR: assignment.master_addr,
+                c.MASTER_PORT: str(assignment.master_port),
+                c.RESTART_COUNT: str(assignment.restart_count),
+                c.MAX_RESTARTS: str(assignment.max_restarts),
+                c.RUN_ID: run_id,
                 # Workers host their own TCPStore on MASTER_PORT, fresh every round.
-                "TORCHELASTIC_USE_AGENT_STORE": "False",
-                "TORCH_NCCL_ASYNC_ERROR_HANDLING": base.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-                "ELASTIC_ROUND": str(assignment.round),
+                c.USE_AGENT_STORE: "False",
+                c.NCCL_ASYNC_ERROR_HANDLING: base.get(c.NCCL_ASYNC_ERROR_HANDLING, "1"),
+                c.ROUND: str(assignment.round),
                 # The real local rank, also when --virtual-local-rank makes LOCAL_RANK 0 for every worker.
                 LOCAL_RANK_ENV: str(local_rank),
             }
         )
         # torchrun's rule: one OpenMP thread per worker unless the user chose otherwise.
-        if "OMP_NUM_THREADS" not in base and nproc > 1:
-            env["OMP_NUM_THREADS"] = "1"
+        if c.OMP_NUM_THREADS not in base and nproc > 1:
+            env[c.OMP_NUM_THREADS] = "1"
         env.update(extra or {})
         envs.append(env)
     return envs

@@ -6,11 +6,13 @@ warm-start zygote, so that importing torch there starts as early as possible.
 
 from __future__ import annotations
 
+from elastic import errors
+
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 
 
-class AgentError(Exception):
+class AgentError(errors.UsageError):
     """A problem the user can fix; the CLI prints it as one line."""
 
     def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:

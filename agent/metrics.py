@@ -41,6 +41,7 @@ from prometheus_client.registry import Collector
 
 from agent.events import EventLog
 from agent.progress import sample_agent
+from elastic.master_errors import ErrorCode
 from elastic.protocol import NodeState
 
 log = logging.getLogger("elastic.agent")
@@ -249,7 +250,7 @@ class _Server(ThreadingHTTPServer):
         log.debug("metrics request from %s failed", client_address, exc_info=True)
 
 
-def _error(code: str, message: str) -> bytes:
+def _error(code: ErrorCode, message: str) -> bytes:
     """The master's error body (elastic.protocol.ErrorBody) for this listener's refusals."""
     return json.dumps({"error": code, "message": message}).encode()
 
@@ -260,11 +261,11 @@ def _handler(registry: CollectorRegistry, token: bytes) -> type:
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             if self.path.split("?", 1)[0] != METRICS_PATH:
-                self._reply(404, _error("not_found", "this listener serves /metrics only"))
+                self._reply(404, _error(ErrorCode.NOT_FOUND, "this listener serves /metrics only"))
                 return
             scheme, _, given = self.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token):
-                body = _error("unauthorized", "missing or wrong bearer token; check --token-file")
+                body = _error(ErrorCode.UNAUTHORIZED, "missing or wrong bearer token; check --token-file")
                 self._reply(401, body, {"www-authenticate": 'Bearer realm="elastic-run"'})
                 return
             self._reply(200, generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

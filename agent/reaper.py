@@ -19,12 +19,14 @@ import threading
 from pathlib import Path
 from types import TracebackType
 
+from elastic import errors
+
 logger = logging.getLogger(__name__)
 
 _SENTINEL_SOURCE = Path(__file__).with_name("_reaper_proc.py")
 
 
-class ReaperError(RuntimeError):
+class ReaperError(errors.WorkerError, RuntimeError):
     """The reaper sentinel could not be started."""
 
 

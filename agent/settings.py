@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from agent.output import OutputPolicy
 from agent.progress import DEFAULT_PROGRESS_INTERVAL_S
 from agent.torchrun_compat import SignalPlan
+from elastic.contract import DEFAULT_CKPT_KEEP
 from elastic.job_settings import JobSettings
 
 #: Seconds between SIGTERM and SIGKILL when stopping workers.
@@ -43,7 +44,7 @@ class AgentSettings:
     log_dir: pathlib.Path | None = None
     ckpt_dir: pathlib.Path | None = None
     #: Checkpoints the keeper keeps in ckpt_dir (agent.ckpt_keeper).
-    ckpt_keep: int = 3
+    ckpt_keep: int = DEFAULT_CKPT_KEEP
     #: The first worker start ignores this node's checkpoints (ELASTIC_CKPT_RESET=1); later ones restore.
     ckpt_reset: bool = False
     #: Peer nodes each node streams its sharded memory checkpoints to (agent.replication); 0: off.

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from elastic import ckpt_layout as layout
+from elastic import errors
 
 LOCK_FILE = ".lock"
 #: How long a held lock is waited for before its holder counts as alive (a dying owner still holds it).
@@ -27,7 +28,7 @@ _POLL_S = 0.05
 _ATTEMPTS = 5
 
 
-class FolderHeldError(Exception):
+class FolderHeldError(errors.CheckpointError):
     """Another live process holds the folder's lock."""
 
 

@@ -10,31 +10,8 @@ worker's stdout/stderr pipes (SCM_RIGHTS); the zygote forks, the child turns its
 ``python [-u] script args`` (or ``-m module``) and the zygote answers with the pid and a pidfd. The zygote
 stays warm for the next restart.
 
-What a warm worker gets, as an exec'd one does: exactly the given environment (``os.environ`` and the C
-environment), ``sys.argv``/``sys.orig_argv``, ``sys.path[0]``, a fresh ``__main__`` with ``__file__``,
-``__loader__``, ``__spec__`` as the interpreter sets them, the cwd, its own session, PR_SET_PDEATHSIG,
-stdin from /dev/null, stdout/stderr as pipes to the agent (``-u``: unbuffered, as the interpreter creates
-them), the signal dispositions of a fresh interpreter that imported torch, an empty signal mask, no
-inherited fds, fresh random state (``random``; numpy's if loaded; multiprocessing's authkey; torch's CPU
-generator seeded as a fresh process seeds it: at random in torch >= 2.x, else the fixed default), torch's
-intra-op threads from ``OMP_NUM_THREADS``, the interpreter's exit behaviour (``Py_Exit``: non-daemon
-threads joined, atexit, module teardown, stdio flushed; SystemExit codes and messages, an uncaught
-exception's traceback and exit 1, KeyboardInterrupt -> death by SIGINT) and ``/proc/<pid>/cmdline`` and
-``environ`` showing the worker's command and environment (for ps, psutil and monitoring).
-
-What stays different, by nature of a fork: a worker of non-zero rank waits until rank 0's TCPStore listens
-before torch connects to it (the zygote wraps ``torch.distributed.rendezvous._create_c10d_store``; torch's own
-retry sleeps up to 0.7 s, an exec'd worker is left to it); the objects the preloading created are frozen
-(``gc.freeze()``, so no collection scans them or copies their pages; ``gc.get_freeze_count()`` is not 0);
-``sys.modules`` already holds the preloaded modules, with what they did when imported (two logging-only atexit
-callbacks; torch._dynamo sets ``TORCHINDUCTOR_CACHE_DIR`` in ``os.environ``, as it does in any worker that
-builds an optimizer); ``hash()`` randomization (the str hash secret) is the zygote's, shared by all warm
-workers (set ``PYTHONHASHSEED`` to control it; it must then be the same for agent and workers); the parent is
-the zygote (``os.getppid()``); resource limits, CPU affinity and nice value are the agent's at zygote start;
-module-level values that a preloaded module derived from the cwd at import are the zygote's cwd's
-(multiprocessing's ORIGINAL_DIR and dynamo's debug_dir_root are recomputed; elastic-run runs workers in the
-agent's cwd, which is the zygote's). CUDA is initialized only in the worker (the zygote never touches it), so
-device selection works as usual.
+What a warm worker gets, as an exec'd one does, and what stays different by nature of a fork, is
+listed in :mod:`agent._zygote_worker`, which sets the worker up; the protocol is :mod:`agent.zygote_ops`.
 
 Only plain ``python [-u] script args`` and ``python [-u] -m module args`` commands with the interpreter the
 zygote runs (the agent's ``sys.executable``) are started warm, and only when the worker's environment is
@@ -55,31 +32,43 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import os
-import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import zipfile
 from collections.abc import Mapping
-from importlib.util import MAGIC_NUMBER
-from pathlib import Path
-from typing import BinaryIO
+from typing import Literal
 
-from agent.envcontract import CONTRACT
+from agent import zygote_ops as ops
+from agent.launchers import Launcher, WorkerProcess, make_child_setup
 from agent.reaper import Reaper
-from agent.workers import Launcher, LauncherUnavailable, WorkerProcess, WorkerSpec, _make_child_setup
+from agent.warm_process import ExitBox, Pending, WarmProcess
+from agent.warm_rules import (
+    PER_WORKER_VARIABLES,
+    current_umask,
+    env_difference,
+    parse_command,
+    start_problem,
+)
+from agent.worker_types import LauncherUnavailable, WorkerSpec
+from agent.zygote_bundle import BOOTSTRAP, filler, zygote_source
+from elastic import contract
+
+__all__ = [
+    "DEFAULT_PRELOAD",
+    "PER_WORKER_VARIABLES",
+    "READY_WAIT_S",
+    "WarmLauncher",
+    "env_difference",
+    "parse_command",
+]
 
 logger = logging.getLogger(__name__)
 
-_ZYGOTE_SOURCE = Path(__file__).with_name("_zygote_proc.py")
-# Kept short: the zygote's argument area must not be longer than a worker's command line (see _filler).
-_BOOTSTRAP = "import os;exec(os.environ.pop('_EZ'))"
 _SPAWN_TIMEOUT_S = 10.0
 #: Seconds after the zygote's start during which a start waits for it instead of exec'ing: torch and
 #: torch._dynamo import in 3-5 s on a small idle machine, several times that on a loaded one.
@@ -88,115 +77,10 @@ _CLOSE_TIMEOUT_S = 5.0
 # A spawn request is one datagram; the kernel limits its size (net.core.wmem_max, ~200 KiB by default).
 _SEND_BUFFER_BYTES = 4 * 1024 * 1024
 
-#: Variables that may differ between the zygote and a warm worker: the ones the agent sets per worker,
-#: none of which is read when torch or torch._dynamo is imported (checked with torch 2.13).
-PER_WORKER_VARIABLES = frozenset(CONTRACT)
-_PER_WORKER_PREFIXES = ("TORCHELASTIC_", "ELASTIC_")
 #: Modules the zygote imports (torch first; each must leave it single-threaded and CUDA untouched).
 DEFAULT_PRELOAD = ("torch", "torch._dynamo")
 #: Overrides DEFAULT_PRELOAD for the agent: a comma-separated module list ("torch" for torch only).
-PRELOAD_ENV = "ELASTIC_WARM_PRELOAD"
-
-
-def env_difference(zygote_env: Mapping[str, str], worker_env: Mapping[str, str]) -> list[str]:
-    """The variables in which ``worker_env`` differs from ``zygote_env`` other than per-worker ones (empty:
-    the worker can be forked from that zygote)."""
-    differ = []
-    for key in sorted(set(zygote_env) | set(worker_env)):
-        value = worker_env.get(key)
-        if value == zygote_env.get(key):
-            continue
-        if key == "OMP_NUM_THREADS":
-            if value is None or not value.isdigit() or int(value) < 1:
-                differ.append(key)
-        elif key not in PER_WORKER_VARIABLES and not key.startswith(_PER_WORKER_PREFIXES):
-            differ.append(key)
-    return differ
-
-
-def parse_command(argv: list[str], python: str) -> tuple[str, str, list[str], bool] | str:
-    """``(mode, target, args, -u given)`` of a ``python [-u] script|-m module args`` command, else the
-    reason it is not one (mode is "script" or "module")."""
-    if not argv or argv[0] != python:
-        return f"the command does not run this agent's interpreter {python}"
-    rest = list(argv[1:])
-    unbuffered = False
-    while rest and rest[0] == "-u":
-        unbuffered = True
-        rest.pop(0)
-    if not rest:
-        return "the command names no script"
-    if rest[0] == "-m":
-        if len(rest) < 2:
-            return "the command names no module after -m"
-        return "module", rest[1], rest[2:], unbuffered
-    if rest[0].startswith("-"):
-        return f"interpreter option {rest[0]!r} is not supported by warm starts (only -u and -m are)"
-    return "script", rest[0], rest[1:], unbuffered
-
-
-class _Pending:
-    """A spawn request waiting for the zygote's answer."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.reply: dict | None = None  # None after done: the zygote went away
-        self.fds: list[int] = []
-        self.exit: _ExitBox | None = None
-
-
-class _ExitBox:
-    """A warm worker's return code, as the zygote (its parent) reports it."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._returncode: int | None = None
-
-    def set(self, returncode: int | None) -> None:
-        if not self._done.is_set():
-            self._returncode = returncode
-            self._done.set()
-
-    def wait(self) -> int | None:
-        """The return code; None when the zygote died before reporting it."""
-        self._done.wait()
-        return self._returncode
-
-
-class _WarmProcess:
-    """A forked worker seen from the agent: not our child, so its exit is watched through a pidfd."""
-
-    def __init__(self, pid: int, pidfd: int, stdout: BinaryIO, stderr: BinaryIO, exit_box: _ExitBox) -> None:
-        self.pid = pid
-        self.stdout = stdout
-        self.stderr = stderr
-        self._pidfd = pidfd
-        self._pidfd_lock = threading.Lock()  # send_signal() never uses a closed (or reused) descriptor
-        self._exit = exit_box
-        self._returncode: int | None = None
-
-    def send_signal(self, sig: int) -> None:
-        """Signal the worker through its pidfd: never another process that reuses the pid."""
-        with self._pidfd_lock:
-            if self._pidfd >= 0:
-                signal.pidfd_send_signal(self._pidfd, sig)
-
-    def wait(self) -> int:
-        if self._returncode is not None:
-            return self._returncode
-        poller = select.poll()
-        poller.register(self._pidfd, select.POLLIN)
-        while not poller.poll():  # readable once the process has exited; retried on EINTR by Python
-            pass
-        returncode = self._exit.wait()
-        with self._pidfd_lock:
-            os.close(self._pidfd)
-            self._pidfd = -1
-        if returncode is None:
-            # The zygote died before reporting; the worker died with it (PR_SET_PDEATHSIG=SIGKILL).
-            returncode = -int(signal.SIGKILL)
-        self._returncode = returncode
-        return returncode
+PRELOAD_ENV = contract.WARM_PRELOAD
 
 
 class WarmLauncher(Launcher):
@@ -242,11 +126,11 @@ class WarmLauncher(Launcher):
         self._ready_wait_s = ready_wait_s
         self._lock = threading.Lock()
         self._launch_lock = threading.Lock()  # one spawn request in flight at a time
-        self._state = "starting"  # starting | ready | failed | closed
+        self._state: Literal["starting", "ready", "failed", "closed"] = "starting"
         self._reason: str | None = None
         self._settled = threading.Event()  # set when ready or failed
-        self._pending: dict[int, _Pending] = {}
-        self._exits: dict[int, _ExitBox] = {}
+        self._pending: dict[int, Pending] = {}
+        self._exits: dict[int, ExitBox] = {}
         self._ids = itertools.count(1)
         self._started_at = time.monotonic()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -255,7 +139,7 @@ class WarmLauncher(Launcher):
         try:
             with contextlib.suppress(OSError):
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER_BYTES)
-            source = _ZYGOTE_SOURCE.read_text(encoding="utf-8")
+            source = zygote_source()
             zygote_env = {
                 **self._env,
                 "_EZ": source,
@@ -263,12 +147,12 @@ class WarmLauncher(Launcher):
                 "_EZ_PRELOAD": ",".join(preload),
             }
             self._proc = subprocess.Popen(
-                [python, "-c", _BOOTSTRAP, *_filler(python, argv_hint)],
+                [python, "-c", BOOTSTRAP, *filler(python, argv_hint)],
                 env=zygote_env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_make_child_setup(os.getpid()),
+                preexec_fn=make_child_setup(os.getpid()),
                 pass_fds=(zygote_sock.fileno(),),
                 close_fds=True,
             )
@@ -319,23 +203,7 @@ class WarmLauncher(Launcher):
             return f"the zygote is not ready yet (importing torch for {waited:.1f}s)"
         if state != "ready":
             return reason or "the warm launcher is closed"
-        parsed = parse_command(list(spec.argv), self._python)
-        if isinstance(parsed, str):
-            return parsed
-        mode, target, _, _ = parsed
-        if mode == "script":
-            problem = _script_problem(os.path.join(spec.cwd or os.getcwd(), target))
-            if problem is not None:
-                return problem
-        for env in spec.envs:
-            differ = env_difference(self._env, env)
-            if differ:
-                shown = ", ".join(differ[:5]) + (", ..." if len(differ) > 5 else "")
-                return (
-                    f"the worker environment differs from the zygote's in {shown} "
-                    "(read when the interpreter and torch start)"
-                )
-        return None
+        return start_problem(list(spec.argv), spec.cwd, spec.envs, python=self._python, zygote_env=self._env)
 
     # -- starting a worker --------------------------------------------------------------------------
     def launch(self, argv: list[str], env: dict[str, str], cwd: str | None) -> WorkerProcess:
@@ -344,14 +212,13 @@ class WarmLauncher(Launcher):
             raise LauncherUnavailable(parsed)
         mode, target, args, unbuffered = parsed
         request = {
-            "op": "spawn",
             "argv": argv,
             "mode": mode,
             "target": target,
             "args": args,
             "env": env,
             "cwd": cwd or os.getcwd(),
-            "umask": _current_umask(),
+            "umask": current_umask(),
             "unbuffered": unbuffered or bool(env.get("PYTHONUNBUFFERED")),
         }
         out_r, out_w = os.pipe()
@@ -366,24 +233,24 @@ class WarmLauncher(Launcher):
         finally:
             os.close(out_w)  # the zygote holds its own copies (sent with the request) until it forked
             os.close(err_w)
-        assert pending.reply is not None and pending.exit is not None
-        return _WarmProcess(
-            pid=int(pending.reply["pid"]),
+        assert isinstance(pending.reply, ops.Spawned) and pending.exit is not None
+        return WarmProcess(
+            pid=pending.reply.pid,
             pidfd=pending.fds[0],
             stdout=os.fdopen(out_r, "rb"),
             stderr=os.fdopen(err_r, "rb"),
             exit_box=pending.exit,
         )
 
-    def _request(self, request: dict, fds: list[int]) -> _Pending:
-        pending = _Pending()
+    def _request(self, request: dict, fds: list[int]) -> Pending:
+        pending = Pending()
         with self._lock:
             if self._state != "ready":
                 raise LauncherUnavailable(self._reason or f"the zygote is {self._state}")
             req_id = next(self._ids)
             self._pending[req_id] = pending
         try:
-            payload = json.dumps({**request, "id": req_id}).encode()
+            payload = ops.encode(ops.SpawnRequest(id=req_id, **request))
             socket.send_fds(self._sock, [payload], fds)
         except (OSError, ValueError, TypeError) as e:
             with self._lock:
@@ -397,10 +264,15 @@ class WarmLauncher(Launcher):
             raise LauncherUnavailable(self._reason or "the zygote did not answer")
         if pending.reply is None:
             raise LauncherUnavailable(self._reason or "the zygote exited")
-        if pending.reply.get("op") != "spawned" or len(pending.fds) != 1:
+        if not isinstance(pending.reply, ops.Spawned) or len(pending.fds) != 1:
             for fd in pending.fds:
                 os.close(fd)
-            raise LauncherUnavailable(f"the zygote could not fork the worker: {pending.reply.get('error')}")
+            error = (
+                pending.reply.error
+                if isinstance(pending.reply, ops.SpawnFailed)
+                else "no pidfd came with its pid"
+            )
+            raise LauncherUnavailable(f"the zygote could not fork the worker: {error}")
         return pending
 
     # -- the zygote's messages ----------------------------------------------------------------------
@@ -415,51 +287,51 @@ class WarmLauncher(Launcher):
             for fd in fds:
                 os.set_inheritable(fd, False)
             try:
-                msg = json.loads(data)
-            except ValueError:
-                msg = {}
+                msg = ops.decode(data)
+            except ops.MalformedMessage as e:
+                logger.warning("warm start: dropped a malformed message from the zygote: %s", e)
+                msg = None
             if not self._on_message(msg, fds):
                 for fd in fds:
                     os.close(fd)
         self._on_zygote_gone()
 
-    def _on_message(self, msg: dict, fds: list[int]) -> bool:
+    def _on_message(self, msg: object, fds: list[int]) -> bool:
         """Handle one message; False when its fds were not taken."""
-        op = msg.get("op")
-        if op == "ready":
+        if isinstance(msg, ops.Ready):
+            logger.info(  # before a waiter wakes: what it reads next follows this line in the log
+                "warm start ready: zygote pid %s imported %s (torch %s) in %.1fs",
+                msg.pid,
+                ", ".join(msg.preloaded or ["torch"]),
+                msg.torch,
+                msg.import_s,
+            )
+            if msg.skipped:
+                logger.info("warm start: not preloaded: %s", "; ".join(msg.skipped))
             with self._lock:
                 if self._state == "starting":
                     self._state = "ready"
             self._settled.set()
-            logger.info(
-                "warm start ready: zygote pid %s imported %s (torch %s) in %.1fs",
-                msg.get("pid"),
-                ", ".join(msg.get("preloaded") or ["torch"]),
-                msg.get("torch"),
-                msg.get("import_s", 0.0),
-            )
-            if msg.get("skipped"):
-                logger.info("warm start: not preloaded: %s", "; ".join(msg["skipped"]))
-        elif op == "unavailable":
-            self._fail(f"the zygote cannot serve: {msg.get('reason')}")
-        elif op in ("spawned", "spawn_failed"):
+        elif isinstance(msg, ops.Unavailable):
+            self._fail(f"the zygote cannot serve: {msg.reason}")
+        elif isinstance(msg, (ops.Spawned, ops.SpawnFailed)):
             with self._lock:
-                pending = self._pending.pop(msg.get("id"), None)
-                if pending is not None and op == "spawned":
-                    pending.exit = self._exits[int(msg["pid"])] = _ExitBox()
+                pending = self._pending.pop(msg.id, None)
+                if pending is not None and isinstance(msg, ops.Spawned):
+                    pending.exit = self._exits[msg.pid] = ExitBox()
             if pending is None:
-                if op == "spawned":  # its requester gave up: nobody would watch this worker
+                if isinstance(msg, ops.Spawned):  # its requester gave up: nobody would watch this worker
                     with contextlib.suppress(OSError):
-                        os.kill(int(msg["pid"]), signal.SIGKILL)
+                        os.kill(msg.pid, signal.SIGKILL)
                 return False
             pending.reply, pending.fds = msg, fds
             pending.done.set()
             return True
-        elif op == "exit":
+        elif isinstance(msg, ops.WorkerExited):
             with self._lock:
-                box = self._exits.pop(int(msg["pid"]), None)
+                box = self._exits.pop(msg.pid, None)
             if box is not None:
-                box.set(int(msg["returncode"]))
+                box.set(msg.returncode)
         return False
 
     def _on_zygote_gone(self) -> None:
@@ -518,44 +390,3 @@ class WarmLauncher(Launcher):
         self._sock.close()
         if self._reaper is not None and self._proc is not None:
             self._reaper.unregister(self._proc.pid)
-
-
-def _filler(python: str, argv_hint: list[str] | tuple[str, ...] | None) -> list[str]:
-    """An extra zygote argument that makes its argument area exactly as long as a worker's command line.
-
-    A forked worker rewrites that area to show its own command in /proc/<pid>/cmdline; the area cannot
-    change size, so a shorter command is padded with NULs (empty trailing arguments in psutil).
-    """
-    if not argv_hint:
-        return []
-    size = sum(len(os.fsencode(a)) + 1 for a in (python, "-c", _BOOTSTRAP))
-    target = sum(len(os.fsencode(a)) + 1 for a in argv_hint)
-    if target <= size:
-        return []
-    return ["#" * (target - size - 1)]
-
-
-def _script_problem(path: str) -> str | None:
-    """Why the interpreter would not run ``path`` as plain source, or None."""
-    if not os.path.isfile(path):
-        return f"script {path!r} not found"
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(MAGIC_NUMBER))
-    except OSError as e:
-        return f"cannot read script {path!r}: {e}"
-    if head == MAGIC_NUMBER or zipfile.is_zipfile(path):
-        return f"script {path!r} is a .pyc or zip file"
-    return None
-
-
-def _current_umask() -> int | None:
-    """This process's umask, read without changing it (racy os.umask would affect other threads)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None

@@ -23,238 +23,58 @@ starts fast. Linux only (prctl).
 """
 
 import contextlib
-import ctypes
-import functools
 import logging
-import os
 import queue
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Protocol, cast
 
-import psutil
-
-from agent.errors_file import error_file_path, message_from_stderr, prepare_error_file, read_error_file
+from agent.errors_file import message_from_stderr, read_error_file
 from agent.filtered_log import FilteredLog, open_filtered_logs
-from agent.output import STDERR_TAIL_LINES, OutputPolicy, start_forwarder
+from agent.launchers import ExecLauncher, Launcher, WorkerProcess
 from agent.reaper import Reaper
+from agent.worker_spawn import spawn_worker
+from agent.worker_tree import RunningWorker, end_workers
+from agent.worker_types import (
+    CRASH_SIGNALS,
+    FailureInfo,
+    LauncherUnavailable,
+    WorkerExit,
+    WorkerGroupError,
+    WorkerSpec,
+    signal_name,
+)
+from elastic.contract import ERROR_FILE
+
+__all__ = [  # the group's types live in agent.worker_types and agent.launchers; importable from here too
+    "CRASH_SIGNALS",
+    "ERROR_FILE_ENV",
+    "ExecLauncher",
+    "FailureInfo",
+    "Launcher",
+    "LauncherUnavailable",
+    "Reaper",
+    "WorkerExit",
+    "WorkerGroup",
+    "WorkerGroupError",
+    "WorkerProcess",
+    "WorkerSpec",
+    "signal_name",
+]
 
 logger = logging.getLogger(__name__)
 
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
-
-_PR_SET_PDEATHSIG = 1
-# After SIGKILL a process normally disappears at once; this only bounds pathological cases (D state).
-_REAP_TIMEOUT_S = 10.0
+ERROR_FILE_ENV = ERROR_FILE
 # Output still in flight after a worker exited; bounded because a descendant may still hold the pipe open
 # (a DataLoader worker outlives its crashed parent for a few seconds).
 _OUTPUT_DRAIN_TIMEOUT_S = 2.0
 # The same wait on the failure path, where it delays the failure report: the lines a dead worker wrote are
 # already in the pipe and read within milliseconds, only the EOF may come late.
 _FAILURE_DRAIN_TIMEOUT_S = 0.5
-_DESCENDANT_POLL_S = 0.02
-
-
-class WorkerGroupError(RuntimeError):
-    """The worker group was used wrongly or could not spawn its workers."""
-
-
-class LauncherUnavailable(Exception):
-    """A launcher cannot start this worker now (before anything was started); the group uses exec instead."""
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What to run on this node: one process per local rank.
-
-    ``argv`` and ``envs`` are complete: the group adds only ``TORCHELASTIC_ERROR_FILE`` to each environment
-    and inherits nothing from the agent. ``global_ranks[i]`` is the global rank of local rank ``i`` and
-    names its output prefix, log folder and error file. With ``log_dir`` set, each worker's raw output is
-    also written to ``log_dir/<attempt>/rank<global rank>/{stdout,stderr}.log``. ``output`` says which
-    streams reach the agent's console and which lines are copied to ``log_dir/<attempt>/filtered_*.log``.
-    """
-
-    argv: list[str]
-    envs: list[dict[str, str]]
-    global_ranks: list[int]
-    log_dir: Path | None = None
-    attempt: str = "0"
-    cwd: str | None = None
-    output: OutputPolicy = OutputPolicy()
-
-    def __post_init__(self) -> None:
-        if not self.argv:
-            raise ValueError("WorkerSpec.argv is empty")
-        if not self.envs:
-            raise ValueError("WorkerSpec.envs is empty: need one environment per local rank")
-        if len(self.envs) != len(self.global_ranks):
-            raise ValueError(
-                f"WorkerSpec has {len(self.envs)} envs but {len(self.global_ranks)} global_ranks"
-            )
-        if len(set(self.global_ranks)) != len(self.global_ranks):
-            raise ValueError(f"WorkerSpec.global_ranks has duplicates: {self.global_ranks}")
-        if not self.attempt or "/" in self.attempt or self.attempt in (".", ".."):
-            raise ValueError(f"WorkerSpec.attempt must be a plain folder name, got {self.attempt!r}")
-
-    @property
-    def nprocs(self) -> int:
-        """Number of local workers."""
-        return len(self.envs)
-
-
-@dataclass(frozen=True)
-class WorkerExit:
-    """One worker's exit. ``returncode`` is negative when a signal killed it (as in ``Popen``)."""
-
-    local_rank: int
-    global_rank: int
-    pid: int
-    returncode: int
-    #: When the watcher thread saw the exit (time.monotonic): a failure's detection starts there.
-    seen_at: float = field(default_factory=time.monotonic, compare=False)
-
-    @property
-    def succeeded(self) -> bool:
-        """True when the worker exited with code 0."""
-        return self.returncode == 0
-
-    @property
-    def signal_name(self) -> str | None:
-        """Name of the signal that killed the worker (``"SIGKILL"``), or None if it exited by itself."""
-        return signal_name(self.returncode)
-
-
-#: Signals a worker raises itself when it crashes (a segfault, abort(), a bus error, a bad instruction...):
-#: its last stderr lines (faulthandler's "Fatal Python error", C++'s "terminate called after ...") say why.
-#: Any other signal came from outside (the OOM killer, an operator, a scheduler), and what the worker
-#: printed before, such as a warning, is no root cause of it.
-CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL", "SIGSYS", "SIGTRAP"})
-
-
-@dataclass(frozen=True)
-class FailureInfo:
-    """Root cause of a failed worker, for the user-facing summary.
-
-    Exactly one of ``exit_code`` (the worker exited) and ``signal`` (a signal killed it) is set.
-    """
-
-    local_rank: int
-    global_rank: int
-    exit_code: int | None
-    signal: str | None
-    message: str
-
-
-def signal_name(returncode: int) -> str | None:
-    """``"SIGKILL"`` for ``-9``; None for a non-negative return code."""
-    if returncode >= 0:
-        return None
-    try:
-        return signal.Signals(-returncode).name
-    except ValueError:
-        return f"SIG{-returncode}"
-
-
-class WorkerProcess(Protocol):
-    """A started worker as a launcher hands it to the group (``subprocess.Popen`` is one)."""
-
-    @property
-    def pid(self) -> int: ...
-
-    @property
-    def stdout(self) -> BinaryIO | None: ...
-
-    @property
-    def stderr(self) -> BinaryIO | None: ...
-
-    def wait(self) -> int:
-        """Block until the process exited; its return code (negative: killed by that signal)."""
-        ...
-
-    def send_signal(self, sig: int) -> None:
-        """Send ``sig`` to the process (not its children); nothing once it has been reaped."""
-        ...
-
-
-class Launcher:
-    """Creates worker processes for a :class:`WorkerGroup`.
-
-    ``launch`` must give the process exactly what the exec path gives: the environment ``env`` and nothing
-    else, ``argv``, working directory ``cwd`` (None: the agent's), stdin from /dev/null, stdout and stderr
-    as pipes to the agent, its own session (so its pid is its process group id), and death when the
-    agent dies. The group registers the pid with the reaper and watches it through ``wait()``.
-    """
-
-    #: Short name for logs ("exec", "warm").
-    name = "launcher"
-
-    def unavailable_reason(self, spec: "WorkerSpec") -> str | None:
-        """Why this launcher cannot start ``spec``'s workers now, or None when it can."""
-        return None
-
-    def warm_up_left_s(self) -> float:
-        """Seconds worth waiting for this launcher to become ready before falling back to exec: 0 when it
-        is ready, failed, or needs no warm-up."""
-        return 0.0
-
-    def wait_warm(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the warm-up to end (ready or failed); True when it ended."""
-        return True
-
-    def launch(self, argv: list[str], env: dict[str, str], cwd: str | None) -> WorkerProcess:
-        """Start one worker. Raises OSError/ValueError/SubprocessError if the command cannot be started,
-        LauncherUnavailable if this launcher (not the command) failed before anything was started."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release the launcher's resources; idempotent."""
-
-
-class ExecLauncher(Launcher):
-    """Today's path: ``subprocess.Popen`` (fork + exec) with a new session and PR_SET_PDEATHSIG."""
-
-    name = "exec"
-
-    def launch(self, argv: list[str], env: dict[str, str], cwd: str | None) -> WorkerProcess:
-        return subprocess.Popen(
-            argv,
-            env=env,
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # own process group: stop() and the reaper kill it as a whole
-            preexec_fn=_make_child_setup(os.getpid()),
-            close_fds=True,
-        )
-
-
-@dataclass
-class _Worker:
-    """Runtime state of one spawned worker."""
-
-    local_rank: int
-    global_rank: int
-    proc: WorkerProcess
-    error_file: Path
-    stderr_tail: "deque[str]"
-    readers: list[threading.Thread] = field(default_factory=list)
-    watcher: threading.Thread | None = None
-    returncode: int | None = None  # set by the watcher thread, under the group's lock
-
-    @property
-    def pgid(self) -> int:
-        # Every launcher makes the worker the leader of a new session, so its group id is its own pid.
-        return self.proc.pid
 
 
 class WorkerGroup:
@@ -289,7 +109,7 @@ class WorkerGroup:
         # Serializes start/stop/close, so that a stop() from a signal-handling thread and one from the loop
         # do not signal the same process groups concurrently.
         self._lifecycle = threading.RLock()
-        self._workers: list[_Worker] = []
+        self._workers: list[RunningWorker] = []
         self._events: queue.Queue[WorkerExit | None] = queue.Queue()
         self._pending = 0  # exits that will still be reported by wait_exit()
         self._stopping = False  # set by stop(): exits it causes are not reported
@@ -488,33 +308,7 @@ class WorkerGroup:
             workers = list(self._workers)
             events = self._events
         events.put(None)  # wake a wait_exit() blocked in another thread
-        deadline = time.monotonic() + max(grace_s, 0.0)
-
-        descendants = _descendants(workers)
-        for w in workers:
-            _signal_group(w.pgid, signal.SIGTERM)
-        _signal_procs(descendants, signal.SIGTERM)
-        # A stopped worker (SIGSTOP, a hang verdict) acts on SIGTERM only once continued.
-        for w in workers:
-            _signal_group(w.pgid, signal.SIGCONT)
-        _signal_procs(descendants, signal.SIGCONT)
-        for w in workers:
-            if w.watcher is not None:
-                w.watcher.join(timeout=max(deadline - time.monotonic(), 0.0))
-        alive = _wait_gone(descendants, deadline)
-
-        # Grace is over: kill what is left, including children spawned during the grace period.
-        late = _descendants(workers)
-        for w in workers:
-            _signal_group(w.pgid, signal.SIGKILL)
-        _signal_procs(alive + late, signal.SIGKILL)
-        for w in workers:
-            if w.watcher is not None:
-                w.watcher.join(timeout=_REAP_TIMEOUT_S)
-                if w.watcher.is_alive():
-                    logger.warning("worker pid %d did not exit after SIGKILL", w.proc.pid)
-        _wait_gone(alive + late, time.monotonic() + _REAP_TIMEOUT_S)
-
+        end_workers(workers, grace_s)
         if self._reaper is not None:
             for w in workers:
                 self._reaper.unregister(w.pgid)
@@ -551,57 +345,13 @@ class WorkerGroup:
         self.close()
 
     def _spawn(
-        self,
-        spec: WorkerSpec,
-        local_rank: int,
-        global_rank: int,
-        env: dict[str, str],
-        launcher: Launcher,
-    ) -> _Worker:
-        error_file = error_file_path(self._error_dir, spec.attempt, global_rank)
-        prepare_error_file(error_file)
-        log_files = _open_logs(spec, global_rank)
-        try:
-            proc = launcher.launch(list(spec.argv), {**env, ERROR_FILE_ENV: str(error_file)}, spec.cwd)
-        except BaseException:
-            for log_file in log_files:
-                if log_file is not None:
-                    log_file.close()
-            raise
-        if self._reaper is not None:
-            self._reaper.register(proc.pid)
-        worker = _Worker(
-            local_rank=local_rank,
-            global_rank=global_rank,
-            proc=proc,
-            error_file=error_file,
-            stderr_tail=deque(maxlen=STDERR_TAIL_LINES),
+        self, spec: WorkerSpec, local_rank: int, global_rank: int, env: dict[str, str], launcher: Launcher
+    ) -> RunningWorker:
+        return spawn_worker(
+            spec, local_rank, global_rank, env, launcher, self._error_dir, self._reaper, self._filtered
         )
-        # Both are pipes to the agent: every launcher guarantees it.
-        stdout, stderr = cast(BinaryIO, proc.stdout), cast(BinaryIO, proc.stderr)
-        logged = spec.log_dir is not None
-        worker.readers = [
-            start_forwarder(
-                stdout,
-                global_rank=global_rank,
-                stream="stdout",
-                log_file=log_files[0],
-                console=spec.output.shows(local_rank, "stdout", logged),
-                filtered=self._filtered.get("stdout"),
-            ),
-            start_forwarder(
-                stderr,
-                global_rank=global_rank,
-                stream="stderr",
-                log_file=log_files[1],
-                tail=worker.stderr_tail,
-                console=spec.output.shows(local_rank, "stderr", logged),
-                filtered=self._filtered.get("stderr"),
-            ),
-        ]
-        return worker
 
-    def _watch(self, worker: _Worker, events: "queue.Queue[WorkerExit | None]") -> None:
+    def _watch(self, worker: RunningWorker, events: "queue.Queue[WorkerExit | None]") -> None:
         """Watcher thread: block in wait() and report the exit, unless stop() caused it."""
         returncode = worker.proc.wait()
         event = WorkerExit(worker.local_rank, worker.global_rank, worker.proc.pid, returncode)
@@ -618,98 +368,9 @@ class WorkerGroup:
                 "worker rank %d (pid %d) exited with %d", worker.global_rank, worker.proc.pid, returncode
             )
 
-    def _find(self, exit: WorkerExit) -> _Worker:
+    def _find(self, exit: WorkerExit) -> RunningWorker:
         with self._lock:
             for w in self._workers:
                 if w.proc.pid == exit.pid and w.local_rank == exit.local_rank:
                     return w
         raise ValueError(f"{exit} is not an exit of this group's current workers")
-
-
-def _open_logs(spec: WorkerSpec, global_rank: int) -> tuple[BinaryIO | None, BinaryIO | None]:
-    if spec.log_dir is None:
-        return None, None
-    folder = spec.log_dir / spec.attempt / f"rank{global_rank}"
-    folder.mkdir(parents=True, exist_ok=True)
-    stdout_log = open(folder / "stdout.log", "wb")  # noqa: SIM115 - the forwarder thread closes it
-    try:
-        stderr_log = open(folder / "stderr.log", "wb")  # noqa: SIM115 - the forwarder thread closes it
-    except OSError:
-        stdout_log.close()
-        raise
-    return stdout_log, stderr_log
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    # ProcessLookupError: the group is empty, the worker and all its children are gone.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _descendants(workers: list[_Worker]) -> list[psutil.Process]:
-    """All live descendants of the workers still running (found by parentage, not process group)."""
-    found: list[psutil.Process] = []
-    for w in workers:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            found.extend(psutil.Process(w.proc.pid).children(recursive=True))
-    return found
-
-
-def _wait_gone(procs: list[psutil.Process], deadline: float) -> list[psutil.Process]:
-    """Wait until ``procs`` are dead or ``deadline`` passes; return those still alive.
-
-    Descendants are not our children, so there is nothing to block on: poll. A zombie counts as gone (its
-    new parent reaps it, or not, on its own schedule), which psutil.wait_procs would wait for in vain.
-    """
-    alive = [p for p in procs if _is_alive(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(min(_DESCENDANT_POLL_S, max(deadline - time.monotonic(), 0.0)))
-        alive = [p for p in alive if _is_alive(p)]
-    return alive
-
-
-def _is_alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _signal_procs(procs: list[psutil.Process], sig: signal.Signals) -> None:
-    for p in procs:
-        # psutil checks the process identity (pid + create time), so a recycled pid is never signalled.
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(sig)
-
-
-def _make_child_setup(parent_pid: int) -> Callable[[], None] | None:
-    """The ``preexec_fn`` that makes a worker die with the agent (PR_SET_PDEATHSIG=SIGKILL).
-
-    prctl is resolved here, in the parent, so the child runs no dynamic loading between fork and exec.
-    """
-    prctl = _load_prctl()
-    if prctl is None:
-        return None
-    sigkill = int(signal.SIGKILL)
-
-    def setup() -> None:
-        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
-        # The agent may have died between fork and prctl; PDEATHSIG would then never fire.
-        if os.getppid() != parent_pid:
-            os.kill(os.getpid(), sigkill)
-
-    return setup
-
-
-@functools.cache
-def _load_prctl() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError) as e:
-        logger.warning("prctl unavailable (%s): workers will not die with the agent by themselves", e)
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return cast(Callable[..., int], prctl)

@@ -59,6 +59,7 @@ def render() -> str:
         ("elastic-run", ("agent",)),
         ("elastic-master", ("master",)),
         ("elastic-master status", ("master", "status")),
+        ("elastic-master readmit", ("master", "readmit")),
     ):
         parts.append(f"## `{title}`\n\n```text\n{help_text(*argv)}\n```\n")
     return "\n".join(parts)

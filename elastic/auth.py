@@ -7,11 +7,13 @@ import os
 import secrets
 import stat
 
+from elastic import errors
+
 #: The environment variable that may carry the job's token instead of a token file.
 TOKEN_ENV = "ELASTIC_TOKEN"
 
 
-class TokenError(ValueError):
+class TokenError(errors.UsageError, ValueError):
     """A token file is missing, unreadable or empty."""
 
 

@@ -9,7 +9,7 @@ file is written under a temp name and renamed when complete (the rename is the c
 killed mid-save never leaves a torn checkpoint visible, and a worker killed right after a save leaves
 that save behind in the agent's memory. The agent persists it to ``ckpt_dir`` (default its
 ``--ckpt-dir``) in the background (see ``agent/ckpt_keeper.py``). Memory keeps the last
-:data:`MEMORY_KEEP` saves.
+:data:`elastic.memory_ckpt.MEMORY_KEEP` saves.
 
 The state of data-parallel training is the same on every rank, so on each node only local rank 0
 writes it to memory (every node then holds a copy), and only the node with ``GROUP_RANK`` 0 asks the
@@ -25,161 +25,40 @@ first, then disk, agreed through the process group. It never restores a mix of s
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from elastic import ckpt_layout as layout
-from elastic import collectives, flash_format, flash_save, restore, segments, torch_fallback
+from elastic import collectives, flash_save, memory_ckpt, restore
+from elastic.ckpt_env import (
+    CKPT_DIR_ENV,
+    CKPT_RESET_ENV,
+    COMMITTED_STEP_ENV,
+    SHM_DIR_ENV,
+    CheckpointError,
+    check_args,
+    env_int,
+    node_local_rank,
+    resolve_dir,
+    resolve_rank,
+)
+from elastic.contract import DEFAULT_CKPT_KEEP
 from elastic.report import report, report_checkpoint
-from elastic.torch_fallback import estimated_size
 
-CKPT_DIR_ENV = "ELASTIC_CKPT_DIR"
-SHM_DIR_ENV = "ELASTIC_SHM_DIR"
-COMMITTED_STEP_ENV = "ELASTIC_COMMITTED_STEP"
-#: Set to 1 by ``elastic-run --ckpt-reset``: :func:`load` ignores every checkpoint (a deliberate fresh start).
-CKPT_RESET_ENV = "ELASTIC_CKPT_RESET"
 LATEST_MARKER = layout.LATEST_MARKER
-#: Flash saves kept in shared memory per node: the newest and the one before it.
-MEMORY_KEEP = 2
 
 log = logging.getLogger(__name__)
 _warned_memory_only = False
-_warned_fallback = False
-
-
-class CheckpointError(Exception):
-    """No checkpoint can be saved (shared memory too small) or loaded (files exist, none loads)."""
-
-
-# -- helpers ------------------------------------------------------------------------------------------
-def _resolve_dir(ckpt_dir: str | os.PathLike[str] | None) -> Path:
-    if ckpt_dir is None:
-        ckpt_dir = os.environ.get(CKPT_DIR_ENV) or None
-    if ckpt_dir is None:
-        raise ValueError(
-            f"no checkpoint directory: pass ckpt_dir or set the {CKPT_DIR_ENV} environment variable"
-        )
-    return Path(ckpt_dir)
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-
-
-def _node_local_rank() -> int:
-    """This worker's place on its node; ``ELASTIC_LOCAL_RANK`` stays real under ``--virtual-local-rank``
-    (where every worker's ``LOCAL_RANK`` is 0), so that one worker per node writes to shared memory."""
-    real = _env_int("ELASTIC_LOCAL_RANK", None)
-    return real if real is not None else _env_int("LOCAL_RANK", 0)  # type: ignore[return-value]
-
-
-def _resolve_rank(rank: int | None) -> int:
-    return rank if rank is not None else _env_int("RANK", 0)  # type: ignore[return-value]
-
-
-def _check_args(state: Any, step: Any) -> None:
-    if not isinstance(state, dict):
-        raise TypeError(f"state must be a dict, got {type(state).__name__}")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
 
 
 def flash_enabled() -> bool:
     """True under elastic-run: :func:`save` writes to the agent's shared memory."""
     return bool(os.environ.get(SHM_DIR_ENV))
-
-
-def _free_bytes(directory: Path) -> int:
-    stats = os.statvfs(directory)
-    return stats.f_bavail * stats.f_frsize
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):.1f} MiB"
-
-
-def _space_error(
-    step: int, directory: Path, need: int, free: int, size: int | None = None
-) -> CheckpointError:
-    # ``size``: one flash file; memory holds MEMORY_KEEP of them (the double buffer), plus one while the
-    # agent persists the oldest.
-    total = "" if size is None else f" (the {MEMORY_KEEP} saves memory keeps take {_mib(MEMORY_KEEP * size)})"
-    return CheckpointError(
-        f"not enough shared memory for the checkpoint of step {step}: it needs about {_mib(need)} more in "
-        f"{directory}{total}, only {_mib(free)} is available. Enlarge /dev/shm (docker run --shm-size, or "
-        "a Kubernetes emptyDir with medium: Memory and a sizeLimit) to at least "
-        f"{MEMORY_KEEP + 1} times the checkpoint size"
-    )
-
-
-def _ensure_space(directory: Path, step: int, need: int) -> None:
-    """Make room for a checkpoint of ``need`` bytes, or raise a CheckpointError naming the sizes.
-
-    When space is short, memory gives up the older of its two saves first (the newest is kept: it is
-    what a crash during this save falls back to).
-    """
-    free = _free_bytes(directory)
-    if free >= need:
-        return
-    for _, path in layout.checkpoint_files(directory)[1:]:
-        path.unlink(missing_ok=True)
-    free = _free_bytes(directory)
-    if free < need:
-        raise _space_error(step, directory, need, free)
-
-
-def _write_memory_checkpoint(
-    state: dict[str, Any], step: int, directory: Path, on_commit: Callable[[], None]
-) -> Path:
-    """Flash-save into the agent's folder (:mod:`elastic.flash_save`); ``on_commit()`` once it is
-    visible (later, from a background thread, when device copies are still running at the return)."""
-    global _warned_fallback
-    if not directory.is_dir():
-        raise CheckpointError(
-            f"the agent's shared-memory folder {directory} ({SHM_DIR_ENV}) does not exist; "
-            "is the elastic-run agent of this worker still running?"
-        )
-    # A lambda: the module global is looked up at each call (tests replace it).
-    writer = flash_save.writer_for(directory, MEMORY_KEEP, lambda folder: _free_bytes(folder))
-    try:
-        return writer.save(state, step, on_commit)
-    except flash_format.Unsupported as exc:
-        if not _warned_fallback:
-            _warned_fallback = True
-            log.warning("elastic.save: the state holds %s: saving with torch.save (slower)", exc)
-    except segments.NoSpaceError as exc:
-        raise _space_error(step, directory, exc.need, exc.free, flash_format.plan(state).size) from None
-    except flash_save.AsyncSaveError as exc:
-        raise CheckpointError(str(exc)) from exc
-    path = _write_torch_memory_checkpoint(state, step, directory)
-    writer.forget_removed()  # the pruned segments' memory goes back now
-    on_commit()
-    return path
-
-
-def _write_torch_memory_checkpoint(state: dict[str, Any], step: int, directory: Path) -> Path:
-    """The fallback for states the flash format does not describe: torch.save into a new file."""
-    need = estimated_size(state)
-    _ensure_space(directory, step, need)
-    try:
-        return torch_fallback.write(state, step, directory, MEMORY_KEEP)
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise _space_error(step, directory, need, _free_bytes(directory)) from exc
-        raise
 
 
 # -- save -------------------------------------------------------------------------------------------
@@ -188,7 +67,7 @@ def save(
     step: int,
     ckpt_dir: str | os.PathLike[str] | None = None,
     *,
-    keep: int = 3,
+    keep: int = DEFAULT_CKPT_KEEP,
     rank: int | None = None,
     persist: bool = True,
 ) -> Path | None:
@@ -228,13 +107,13 @@ def save(
             size needed and the size available) or is gone, or the background part of the previous
             save (device-to-host copies of GPU state) failed.
     """
-    _check_args(state, step)
+    check_args(state, step)
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     shm_dir = os.environ.get(SHM_DIR_ENV)
     if shm_dir:
         return _flash_save(state, step, Path(shm_dir), ckpt_dir, persist)
-    return _disk_save(state, step, _resolve_dir(ckpt_dir), keep, _resolve_rank(rank))
+    return _disk_save(state, step, resolve_dir(ckpt_dir), keep, resolve_rank(rank))
 
 
 def _flash_save(
@@ -246,11 +125,11 @@ def _flash_save(
 ) -> Path | None:
     global _warned_memory_only
     began = time.monotonic()  # the save's latency, reported to the agent (its checkpoint-save metric)
-    writes = _node_local_rank() == 0
+    writes = node_local_rank() == 0
     path = shm_dir / layout.step_file_name(step) if writes else None
     # A location asks the agent to persist the file: only one node does, the others keep memory copies.
     location = persist_to = ""
-    if path is not None and persist and _env_int("GROUP_RANK", 0) == 0:
+    if path is not None and persist and env_int("GROUP_RANK", 0) == 0:
         folder = ckpt_dir or os.environ.get(CKPT_DIR_ENV) or None  # '' counts as not given
         if folder is not None:
             # Absolute: the agent's working directory need not be the worker's.
@@ -265,7 +144,7 @@ def _flash_save(
         report_checkpoint(step)
         return None
     # Reported once the file is visible: at the return, or later for device state (async copies).
-    return _write_memory_checkpoint(
+    return memory_ckpt.write(
         state,
         step,
         shm_dir,
@@ -309,7 +188,7 @@ def load_latest(
         ValueError: no directory configured.
         CheckpointError: checkpoint files exist but none can be loaded.
     """
-    directory = _resolve_dir(ckpt_dir)
+    directory = resolve_dir(ckpt_dir)
     if not directory.is_dir():
         return None
     candidates: list[Path] = []
@@ -382,9 +261,9 @@ def load(
         log.warning("%s is set: ignoring this rank's checkpoints (steps %s)", CKPT_RESET_ENV, sorted(copies))
         copies = {}
     world = collectives.world_size()
-    committed = _env_int(COMMITTED_STEP_ENV, None)
+    committed = env_int(COMMITTED_STEP_ENV, None)
     wanted = step
-    if wanted is None and world == 0 and (_env_int("WORLD_SIZE", 1) or 1) > 1 and copies:
+    if wanted is None and world == 0 and (env_int("WORLD_SIZE", 1) or 1) > 1 and copies:
         if committed is None:
             raise CheckpointError(
                 "cannot agree on a checkpoint step without a process group: call "
@@ -427,7 +306,7 @@ def load(
 def _keep_in_memory(step: int, data: bytes) -> None:
     """Store a step received from a peer in this node's shared memory, so the node holds it too."""
     shm_dir = os.environ.get(SHM_DIR_ENV)
-    if not shm_dir or _node_local_rank() != 0 or not Path(shm_dir).is_dir():
+    if not shm_dir or node_local_rank() != 0 or not Path(shm_dir).is_dir():
         return
     final = Path(shm_dir) / layout.step_file_name(step)
     try:
@@ -439,7 +318,7 @@ def _keep_in_memory(step: int, data: bytes) -> None:
 def _forget_newer_memory(step: int) -> None:
     """Drop memory saves newer than the restored step: they belong to the run that is rolled back."""
     shm_dir = os.environ.get(SHM_DIR_ENV)
-    if not shm_dir or _node_local_rank() != 0:
+    if not shm_dir or node_local_rank() != 0:
         return
     for newer, path in layout.checkpoint_files(Path(shm_dir)):
         if newer > step:

@@ -15,12 +15,19 @@ from __future__ import annotations
 import random
 import threading
 from typing import TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
 from elastic.addresses import parse_addresses, split_address
-from elastic.master_errors import MasterError, MasterRejectedError, MasterTLSError, MasterUnreachableError
+from elastic.master_errors import (
+    ErrorCode,
+    MasterError,
+    MasterRejectedError,
+    MasterTLSError,
+    MasterUnreachableError,
+)
 from elastic.protocol import (
     API_PREFIX,
     JOB_HEADER,
@@ -32,6 +39,7 @@ from elastic.protocol import (
     JoinReply,
     JoinRequest,
     LeaveRequest,
+    ReadmitReply,
     RoundReply,
 )
 from elastic.tls import client_context, describe_tls_failure, speaks_tls
@@ -92,6 +100,8 @@ class MasterClient:
         # Node id -> the secret of the incarnation this client joined as: in memory only, never stored or
         # passed on (master.credentials); sent on every request for that node.
         self._secrets: dict[str, str] = {}
+        #: Node id -> (round, term) of its newest assignment (see next_round).
+        self._round_terms: dict[str, tuple[int, int]] = {}
         self._timeout = request_timeout
         self._local = threading.local()
         self._preferred = 0
@@ -140,7 +150,9 @@ class MasterClient:
                     method,
                     url,
                     params=params,
-                    content=body.model_dump_json() if body is not None else None,
+                    # Unset optional fields stay out: a master of an older release refuses fields it
+                    # does not know (a heartbeat's ``term``), and their absence means the default.
+                    content=body.model_dump_json(exclude_unset=True) if body is not None else None,
                     headers=headers,
                     timeout=httpx.Timeout(timeout + wait, connect=min(timeout, 3.0)),
                 )
@@ -149,7 +161,7 @@ class MasterClient:
                 tls_failure = tls_failure or self._tls_failure(exc, self.addresses[index], timeout)
                 continue
             if response.status_code == 503:  # a standby master: try the next address
-                last = MasterRejectedError(503, "not_leader", response.text)
+                last = MasterRejectedError(503, ErrorCode.NOT_LEADER, response.text)
                 continue
             self._preferred = index
             if response.status_code >= 400:
@@ -199,14 +211,31 @@ class MasterClient:
         return node_id in self._secrets
 
     def next_round(self, node_id: str, after: int, timeout: float) -> RoundReply:
+        """The node's next assignment; its term is remembered, so that later heartbeats and watches for
+        that round name the round as ``(term, number)`` (a master with terms answers "rejoin" to a round
+        number of another leader's world)."""
         params = {"node_id": node_id, "after": after, "timeout": timeout}
-        return self._call("GET", "/round", RoundReply, params=params, wait=timeout, node_id=node_id)
+        reply = self._call("GET", "/round", RoundReply, params=params, wait=timeout, node_id=node_id)
+        if reply.assignment is not None and reply.assignment.term:  # 0: a master without terms
+            self._round_terms[node_id] = (reply.assignment.round, reply.assignment.term)
+        return reply
+
+    def _term_of(self, node_id: str, round_number: int) -> int | None:
+        """The term of ``round_number`` as this node's assignment gave it; None when unknown."""
+        held = self._round_terms.get(node_id)
+        return held[1] if held is not None and held[0] == round_number else None
 
     def heartbeat(self, req: HeartbeatRequest, timeout: float | None = None) -> CommandReply:
+        term = self._term_of(req.node_id, req.round)
+        if term is not None and req.term is None:
+            req = req.model_copy(update={"term": term})
         return self._call("POST", "/heartbeat", CommandReply, body=req, timeout=timeout, node_id=req.node_id)
 
     def watch(self, node_id: str, round_number: int, timeout: float) -> CommandReply:
-        params = {"node_id": node_id, "round": round_number, "timeout": timeout}
+        params: dict = {"node_id": node_id, "round": round_number, "timeout": timeout}
+        term = self._term_of(node_id, round_number)
+        if term is not None:
+            params["term"] = term
         return self._call("GET", "/watch", CommandReply, params=params, wait=timeout, node_id=node_id)
 
     def leave(self, req: LeaveRequest) -> CommandReply:
@@ -214,6 +243,10 @@ class MasterClient:
 
     def status(self) -> JobStatus:
         return self._call("GET", "/status", JobStatus)
+
+    def readmit(self, node_id: str) -> ReadmitReply:
+        """Lift ``node_id``'s exclusion for flapping (the operator's command)."""
+        return self._call("POST", f"/nodes/{quote(node_id, safe='')}/readmit", ReadmitReply)
 
 
 def _rejection(response: httpx.Response) -> MasterRejectedError:

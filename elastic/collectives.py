@@ -101,3 +101,40 @@ def broadcast_bytes(data: bytes | None, src: int) -> bytes | None:
     received = payload.cpu()
     # One memcpy; bytes(storage) would iterate the storage element by element.
     return ctypes.string_at(received.data_ptr(), size)
+
+
+def rank() -> int:
+    """This process's rank in the default process group, or 0 when none is initialized."""
+    return dist.get_rank() if world_size() > 0 else 0
+
+
+def barrier() -> None:
+    """A barrier of the default process group; nothing without one."""
+    if world_size() > 0:
+        dist.barrier()
+
+
+def gather_ints(flat: list[int], world: int) -> list[list[int]]:
+    """Every rank's ``flat`` list of non-negative-or-coded int64 values, indexed by rank, each padded with
+    ``-1`` to the longest (at least 3 long); a collective when ``world`` > 1."""
+    if world <= 1:
+        return [flat]
+    device = _device()
+    length = torch.tensor([len(flat)], dtype=torch.int64, device=device)
+    dist.all_reduce(length, op=dist.ReduceOp.MAX)
+    longest = int(length.item())
+    padded = torch.full((max(longest, 3),), _PAD, dtype=torch.int64, device=device)
+    if flat:
+        padded[: len(flat)] = torch.tensor(flat, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    return [g.tolist()[:longest] for g in gathered]
+
+
+def any_rank(flag: bool, world: int) -> bool:
+    """True on every rank when ``flag`` is true on any (a collective when ``world`` > 1)."""
+    if world <= 1:
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int64, device=_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

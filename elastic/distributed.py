@@ -14,11 +14,12 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from elastic import contract as c
 from elastic.report import report_done
 
 #: Variables the launcher must set; without them the script was not started by elastic-run/torchrun.
-REQUIRED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-PG_TIMEOUT_ENV = "ELASTIC_PG_TIMEOUT_S"
+REQUIRED_ENV = (c.RANK, c.WORLD_SIZE, c.LOCAL_RANK, c.MASTER_ADDR, c.MASTER_PORT)
+PG_TIMEOUT_ENV = c.PG_TIMEOUT_S
 # torch waits 30 minutes by default before a stuck collective fails. The agent detects dead workers and
 # nodes itself and restarts the whole world, so a survivor blocked on a dead peer only needs to give up
 # eventually; 5 minutes keeps a wedged worker from holding its GPU for half an hour.

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from elastic import errors
+
 MAGIC = b"\x89ELFLSH\n"
 VERSION = 1
 HEADER = struct.Struct("<8sIIQQQQ16s")  # magic, version, reserved, step, size, json size, data offset, id
@@ -55,7 +57,7 @@ for _name in dir(torch):
         _DTYPES[_canonical] = _value
 
 
-class Unsupported(Exception):
+class Unsupported(errors.CheckpointError):
     """The state holds something this format does not describe; save it with torch.save instead."""
 
 

@@ -27,13 +27,13 @@ from typing import Any
 import torch
 
 from elastic import ckpt_layout as layout
-from elastic import device_copy, flash_format
+from elastic import device_copy, errors, flash_format
 from elastic.segments import Acquired, Segment, SegmentPool
 
 log = logging.getLogger(__name__)
 
 
-class AsyncSaveError(Exception):
+class AsyncSaveError(errors.CheckpointError):
     """The background part of an earlier save (device copies, commit) failed; that save is lost."""
 
 

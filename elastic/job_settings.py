@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from elastic import errors
+
 #: Defaults, documented in docs/cli.md. Trade-off: a dead node is declared after about three missed
 #: heartbeats (fast verdicts, yet a loaded 2-core machine does not cause false ones); the last call is a
 #: few seconds (torchrun waits 30 s) and only delays *growth*, never a restart of known members.
@@ -22,9 +24,15 @@ DEFAULT_STRAGGLER_FACTOR = 2.0
 NODE_CHECK_MODES = ("off", "on", "warn")
 #: A node whose check figures exceed this many times the nodes' median counts as slow.
 DEFAULT_NODE_CHECK_FACTOR = 3.0
+#: Flapping nodes (docs/failures.md): a node id lost (declared dead, or its agent replaced by a restarted
+#: one) more than this many times within the window is excluded for the cool-down. 3 losses in 5 minutes
+#: is already a crash loop (each one restarts every node's workers); a real repair takes longer than 10.
+DEFAULT_FLAP_LIMIT = 3
+DEFAULT_FLAP_WINDOW_S = 300.0
+DEFAULT_FLAP_COOLDOWN_S = 600.0
 
 
-class SettingsError(ValueError):
+class SettingsError(errors.UsageError, ValueError):
     """A setting is out of range or inconsistent with another one."""
 
 
@@ -64,6 +72,10 @@ class JobSettings:
     straggler_factor: float = DEFAULT_STRAGGLER_FACTOR
     node_check: str = "off"
     node_check_factor: float = DEFAULT_NODE_CHECK_FACTOR
+    #: 0 turns the flapping policy off (master.flapping).
+    flap_limit: int = DEFAULT_FLAP_LIMIT
+    flap_window_s: float = DEFAULT_FLAP_WINDOW_S
+    flap_cooldown_s: float = DEFAULT_FLAP_COOLDOWN_S
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -81,6 +93,11 @@ class JobSettings:
         for name in ("join_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "rejoin_timeout_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be > 0")
+        if self.flap_limit < 0:
+            raise SettingsError(f"--flap-limit must be >= 0 (0: off), got {self.flap_limit}")
+        for name in ("flap_window_s", "flap_cooldown_s"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"--{name[:-2].replace('_', '-')} must be > 0, got {getattr(self, name)}")
         for name in ("straggler_factor", "node_check_factor"):
             if getattr(self, name) <= 1:
                 raise SettingsError(f"--{name.replace('_', '-')} must be > 1, got {getattr(self, name)}")

@@ -25,6 +25,8 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 
+from elastic import errors
+
 __all__ = [
     "AGENT_METRICS",
     "LISTENERS",
@@ -40,7 +42,7 @@ __all__ = [
 ]
 
 
-class ListenerRuleError(ValueError):
+class ListenerRuleError(errors.UsageError, ValueError):
     """A listener's bind address and authentication break the rules; the message is one line."""
 
 

@@ -27,8 +27,10 @@ import sys
 import time
 from collections.abc import Callable
 
-RESULT_ENV = "ELASTIC_NODE_CHECK_RESULT"
-TIMEOUT_ENV = "ELASTIC_NODE_CHECK_TIMEOUT_S"
+from elastic import contract
+
+RESULT_ENV = contract.NODE_CHECK_RESULT
+TIMEOUT_ENV = contract.NODE_CHECK_TIMEOUT_S
 FAIL_ENV = "ELASTIC_NODE_CHECK_FAIL"
 SLOWDOWN_ENV = "ELASTIC_NODE_CHECK_SLOWDOWN"
 #: Collective timeout of the check's process groups; the agent kills the check some time after it.

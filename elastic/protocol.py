@@ -289,6 +289,17 @@ class NodeStatus(_Model):
     replicated_step: int | None = Field(default=None, description="Newest step replicated to its peers.")
     replication_lag: int | None = Field(default=None, description="Steps its replicas lag its memory.")
     replication_error: str = Field(default="", description="Why its last replication push failed.")
+    excluded_reason: str = Field(default="", description="Why the node is excluded (state excluded).")
+    readmit_in_s: float | None = Field(
+        default=None, description="Seconds until an exclusion for flapping ends (the cool-down's rest)."
+    )
+
+
+class ReadmitReply(_Model):
+    """``POST /v1/nodes/{node_id}/readmit``: the node's flapping exclusion is lifted."""
+
+    node_id: str
+    message: str
 
 
 class StatusEvent(_Model):

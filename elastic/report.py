@@ -14,14 +14,13 @@ or when the script has its own SIGUSR1 handler.
 
 Compute time for the straggler report: with :func:`elastic.track_ddp`, DDP's gradient all-reduce adds
 the time it waited for other ranks (:func:`add_comm_wait`), and a step report also carries the step's
-time minus that wait (``b``, seconds per step).
+time minus that wait (seconds per step). The datagram's form is :class:`elastic.contract.Progress`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
-import json
 import logging
 import os
 import signal
@@ -29,15 +28,17 @@ import socket
 import struct
 import threading
 import time
+from typing import Any
 
-SOCKET_ENV = "ELASTIC_AGENT_SOCKET"
+from elastic import contract
+from elastic.contract import CKPT_SEND_TIMEOUT_S, Progress, ProgressKind
+
+SOCKET_ENV = contract.AGENT_SOCKET
 #: Per-worker file for the faulthandler stack dump (set by the agent).
-STACK_FILE_ENV = "ELASTIC_STACK_FILE"
+STACK_FILE_ENV = contract.STACK_FILE
 #: The signal that makes an armed worker write its Python stack (all threads) to its stack file.
 STACK_SIGNAL = signal.SIGUSR1
-#: Longest wait of a checkpoint report for room in the agent's queue (the agent is stalled, e.g. SIGSTOP).
-CKPT_SEND_TIMEOUT_S = 10.0
-ROUND_ENV = "ELASTIC_ROUND"
+ROUND_ENV = contract.ROUND
 
 log = logging.getLogger(__name__)
 _sock: socket.socket | None = None
@@ -93,17 +94,24 @@ def _sockets(path: str) -> tuple[socket.socket, socket.socket]:
     return _sock, _reliable_sock
 
 
-def _send(message: dict, *, reliable: bool = False) -> None:
+def _local_rank() -> int:
+    # ELASTIC_LOCAL_RANK: the real local rank, also under --virtual-local-rank (LOCAL_RANK=0 everywhere).
+    return int(os.environ.get(contract.ELASTIC_LOCAL_RANK) or os.environ.get(contract.LOCAL_RANK, "0"))
+
+
+def _progress(kind: ProgressKind, step: int, **fields: Any) -> Progress:
+    """A report of this worker, sent now; ``fields``: the optional fields of :class:`Progress`."""
+    return Progress(local_rank=_local_rank(), kind=kind, step=step, sent_at=time.time(), **fields)
+
+
+def _send(message: Progress, *, reliable: bool = False) -> None:
     if not _armed:
         _arm_stack_dump()
     path = os.environ.get(SOCKET_ENV)
     if not path:
         return
     fast, sure = _sockets(path)
-    # ELASTIC_LOCAL_RANK: the real local rank, also under --virtual-local-rank (LOCAL_RANK=0 everywhere).
-    message["r"] = int(os.environ.get("ELASTIC_LOCAL_RANK") or os.environ.get("LOCAL_RANK", "0"))
-    message["t"] = time.time()
-    data = json.dumps(message, separators=(",", ":")).encode()
+    data = message.encode()
     if not reliable:
         # The agent may be busy or gone (OSError): progress is advisory, a training step never waits for it.
         with contextlib.suppress(OSError):
@@ -115,7 +123,7 @@ def _send(message: dict, *, reliable: bool = False) -> None:
         log.warning(
             "elastic: the agent took no checkpoint report for %gs (is it stopped?); step %s not reported",
             CKPT_SEND_TIMEOUT_S,
-            message.get("step"),
+            message.step,
         )
     except OSError:
         pass  # no agent listens (gone, or never there): nothing to report to
@@ -125,20 +133,20 @@ def report(step: int) -> None:
     """Tell the agent this worker completed training step ``step`` (feeds hang and straggler checks)."""
     global _comm_wait_s, _last
     step = int(step)
-    message: dict = {"k": "step", "step": step}
+    compute: float | None = None
     now = time.monotonic()
     with _lock:
         if _last is None or step > _last[0]:
             if _tracking and _last is not None:
-                message["b"] = max(0.0, now - _last[1] - _comm_wait_s) / (step - _last[0])
+                compute = max(0.0, now - _last[1] - _comm_wait_s) / (step - _last[0])
             _comm_wait_s, _last = 0.0, (step, now)
-    _send(message)
+    _send(_progress(ProgressKind.STEP, step, compute_s=compute))
 
 
 def report_done() -> None:
     """Tell the agent this worker's training is over (its teardown follows): from now on it is not judged
     on step progress. Called by :func:`elastic.destroy_process_group`."""
-    _send({"k": "done", "step": _last[0] if _last is not None else 0})
+    _send(_progress(ProgressKind.DONE, _last[0] if _last is not None else 0))
 
 
 def report_checkpoint(
@@ -152,11 +160,15 @@ def report_checkpoint(
     ``elastic_agent_checkpoint_save_seconds``; an agent that predates it ignores the field). Waits for
     room in the agent's queue, at most :data:`CKPT_SEND_TIMEOUT_S` (then the report is dropped with a
     warning)."""
-    message: dict = {"k": "ckpt", "step": int(step), "loc": location}
-    if persist_to:
-        message["dir"] = persist_to
-    if save_s is not None:
-        message["sv"] = round(max(0.0, float(save_s)), 6)
+    fence: int | None = None
     with contextlib.suppress(KeyError, ValueError):  # the round fences the agent's persist (agent.ckpt_fence)
-        message["rd"] = int(os.environ[ROUND_ENV])
+        fence = int(os.environ[ROUND_ENV])
+    message = _progress(
+        ProgressKind.CKPT,
+        int(step),
+        location=location,
+        persist_to=persist_to,
+        save_s=None if save_s is None else round(max(0.0, float(save_s)), 6),
+        round=fence,
+    )
     _send(message, reliable=True)

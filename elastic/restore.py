@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from elastic import ckpt_layout as layout
-from elastic import collectives, flash_format
+from elastic import collectives, errors, flash_format
 
 log = logging.getLogger(__name__)
 
 
-class NothingLoadableError(Exception):
+class NothingLoadableError(errors.CheckpointError):
     """Some rank holds checkpoints, but no copy of any held step loads."""
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic import ckpt_layout as layout
+from elastic import errors
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ _ZEROS = bytes(8 << 20)
 Key = tuple[int, int]  # (st_dev, st_ino): a segment is its inode, whatever its name
 
 
-class NoSpaceError(Exception):
+class NoSpaceError(errors.CheckpointError):
     """The folder cannot hold a segment: ``need`` more bytes, ``free`` available."""
 
     def __init__(self, need: int, free: int) -> None:

@@ -12,6 +12,8 @@ import re
 import socket
 import ssl
 
+from elastic import errors
+
 #: Default of ``--tls-ca`` (elastic-run, elastic-master status).
 TLS_CA_ENV = "ELASTIC_TLS_CA"
 #: Defaults of elastic-master's ``--tls-cert`` and ``--tls-key``.
@@ -23,7 +25,7 @@ TLS_KEY_ENV = "ELASTIC_TLS_KEY"
 _PLAINTEXT_PEER = frozenset({"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"})
 
 
-class TLSConfigError(ValueError):
+class TLSConfigError(errors.UsageError, ValueError):
     """A certificate, key or CA file that cannot be used; the message is one line naming the file."""
 
 

@@ -1,4 +1,4 @@
-"""``elastic-master``: the job master daemon, and ``elastic-master status``."""
+"""``elastic-master``: the job master daemon, ``elastic-master status`` and ``elastic-master readmit``."""
 
 from __future__ import annotations
 
@@ -65,6 +65,29 @@ def _check_tls(cert: str | None, key: str | None) -> None:
     help="Job-wide restarts after worker failures (membership changes are free).",
 )
 @click.option(
+    "--flap-limit",
+    type=click.IntRange(min=0),
+    default=ms.DEFAULT_FLAP_LIMIT,
+    show_default=True,
+    help="Exclude a node id lost (declared dead, or its agent restarted) more than this many times within "
+    "--flap-window; 0 turns this off.",
+)
+@click.option(
+    "--flap-window",
+    type=click.FloatRange(min=0, min_open=True),
+    default=ms.DEFAULT_FLAP_WINDOW_S,
+    show_default=True,
+    help="Seconds over which a node's losses count for --flap-limit.",
+)
+@click.option(
+    "--flap-cooldown",
+    type=click.FloatRange(min=0, min_open=True),
+    default=ms.DEFAULT_FLAP_COOLDOWN_S,
+    show_default=True,
+    help="Seconds a flapping node stays excluded before a join is accepted again ('elastic-master "
+    "readmit' lifts it earlier).",
+)
+@click.option(
     "--token-file",
     type=click.Path(dir_okay=False),
     default=None,
@@ -127,6 +150,9 @@ def cli(ctx: click.Context, **opts) -> None:
             straggler_factor=opts["straggler_factor"],
             node_check=opts["node_check"],
             node_check_factor=opts["node_check_factor"],
+            flap_limit=opts["flap_limit"],
+            flap_window_s=opts["flap_window"],
+            flap_cooldown_s=opts["flap_cooldown"],
         )
     except ms.SettingsError as exc:
         raise click.UsageError(str(exc)) from None
@@ -136,7 +162,7 @@ def cli(ctx: click.Context, **opts) -> None:
     except (TokenError, OSError) as exc:
         raise click.UsageError(str(exc)) from None
     from master.fault_hook import tick_fault_from_env
-    from master.server import bind_socket, serve_forever  # web stack only when serving
+    from master.serving import bind_socket, serve_forever  # web stack only when serving
     from master.store import StoreError
     from master.store_factory import check_store, open_store, read_password_file
     from master.supervision import MasterFailure
@@ -219,11 +245,56 @@ def status(
     """Print the job's nodes: id, rank, state, heartbeat age, restarts, round, world size, step time and
     flags (straggler, node-check verdict), then the node-check figures when the job ran a check, the
     nodes whose checkpoint persists fail, with the error, and what the round waits for."""
+    from elastic.master_errors import MasterError
+    from master.status_view import render_status
+
+    if watch and as_json:
+        raise click.UsageError("--watch and --json exclude each other (--json is for scripts)")
+    client = _client(master, job_id, token_file, tls_ca)
+    if watch:
+        _watch(client, interval)
+        return
+    try:
+        job = client.status()
+    except MasterError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        client.close()
+    click.echo(job.model_dump_json(indent=2) if as_json else render_status(job))
+
+
+@cli.command()
+@click.argument("node_id")
+@click.option("--master", "master", required=True, help="Master HOST:PORT (comma-separated for several).")
+@click.option("--job-id", required=True, help="Job id.")
+@click.option("--token-file", type=click.Path(dir_okay=False), default=None, help="Bearer token file.")
+@click.option(
+    "--tls-ca",
+    type=click.Path(dir_okay=False),
+    envvar=TLS_CA_ENV,
+    default=None,
+    help=f"Speak https and verify the master's certificate with this PEM CA file. Default: {TLS_CA_ENV}.",
+)
+def readmit(node_id: str, master: str, job_id: str, token_file: str | None, tls_ca: str | None) -> None:
+    """Re-admit NODE_ID, excluded for flapping, before its --flap-cooldown ends: its next join is accepted
+    (docs/failures.md, "Flapping nodes")."""
+    from elastic.master_errors import MasterError
+
+    client = _client(master, job_id, token_file, tls_ca)
+    try:
+        reply = client.readmit(node_id)
+    except MasterError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        client.close()
+    click.echo(reply.message)
+
+
+def _client(master: str, job_id: str, token_file: str | None, tls_ca: str | None):
+    """A :class:`elastic.client.MasterClient` for an operator's command; bad options are usage errors."""
     from elastic.addresses import parse_addresses
     from elastic.auth import derived_token
     from elastic.client import MasterClient
-    from elastic.master_errors import MasterError
-    from master.status_view import render_status
 
     try:
         addresses = parse_addresses(master)
@@ -236,19 +307,7 @@ def status(
             client_context(tls_ca)  # a bad CA file is a usage error, before any connection
     except (ValueError, TokenError) as exc:  # TLSConfigError is a ValueError
         raise click.UsageError(str(exc)) from None
-    if watch and as_json:
-        raise click.UsageError("--watch and --json exclude each other (--json is for scripts)")
-    client = MasterClient(addresses, job_id, token, tls_ca=tls_ca)
-    if watch:
-        _watch(client, interval)
-        return
-    try:
-        job = client.status()
-    except MasterError as exc:
-        raise click.ClickException(str(exc)) from None
-    finally:
-        client.close()
-    click.echo(job.model_dump_json(indent=2) if as_json else render_status(job))
+    return MasterClient(addresses, job_id, token, tls_ca=tls_ca)
 
 
 def _watch(client, interval: float) -> None:

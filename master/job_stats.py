@@ -20,6 +20,7 @@ _VERDICTS = {
     "node_left": "left",
     "node_suspect": "suspect",
     "node_excluded": "excluded",
+    "node_flapping_excluded": "excluded",
     "straggler": "straggler",
 }
 

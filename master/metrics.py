@@ -29,6 +29,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from elastic.master_errors import ErrorCode
 from elastic.protocol import ErrorBody, NodeState
 from master.job_events import CAUSES
 from master.job_stats import RECOVERY_BUCKETS, Histogram
@@ -42,7 +43,7 @@ _NODE_STATES = [s.value for s in NodeState] + ["excluded"]
 
 
 class JobCollector(Collector):
-    """Builds every ``elastic_*`` family from ``service`` (a :class:`master.server.MasterService`)."""
+    """Builds every ``elastic_*`` family from ``service`` (a :class:`master.service.MasterService`)."""
 
     def __init__(self, service: Any) -> None:
         self.service = service
@@ -224,7 +225,7 @@ def _node_metrics(job: Any, job_id: str, now: float) -> Iterator[Metric]:
     counts = dict.fromkeys(_NODE_STATES, 0)
     for node in nodes:
         counts[node.state.value] += 1
-    counts["excluded"] = len(job.excluded_nodes)
+    counts["excluded"] = len(job.excluded_nodes) + len(job.flapping.excluded)
     for state, count in counts.items():
         by_state.add_metric([job_id, state], count)
     yield by_state
@@ -283,7 +284,7 @@ def add_metrics_route(app: FastAPI, service: Any, bearer_token: Callable[[bytes]
         given = bearer_token(request.headers.get("authorization", "").encode())
         if not secrets.compare_digest(given, token):
             why = "missing or wrong bearer token; check --token-file"
-            body = ErrorBody(error="unauthorized", message=why)
+            body = ErrorBody(error=ErrorCode.UNAUTHORIZED, message=why)
             return JSONResponse(
                 status_code=401,
                 content=body.model_dump(),
@@ -301,7 +302,7 @@ class MetricsPortOnly:
     async def __call__(self, scope, receive, send):
         on_metrics_port = scope["type"] == "http" and (scope.get("server") or (None, None))[1] == self.port
         if on_metrics_port and scope["path"] != METRICS_PATH:
-            body = ErrorBody(error="not_found", message="this listener serves /metrics only")
+            body = ErrorBody(error=ErrorCode.NOT_FOUND, message="this listener serves /metrics only")
             headers = [(b"content-type", b"application/json")]
             await send({"type": "http.response.start", "status": 404, "headers": headers})
             await send({"type": "http.response.body", "body": body.model_dump_json().encode()})

@@ -2,7 +2,7 @@
 and the bearer security scheme.
 
 FastAPI derives the paths, parameters and models from the routes, but it knows neither the refusals of
-:class:`master.server.Gatekeeper` (an ASGI middleware that checks the token and the job id, and caps the
+:class:`master.gatekeeper.Gatekeeper` (an ASGI middleware that checks the token and the job id, and caps the
 body, before anything is routed or parsed) nor the errors the job raises. :data:`OPERATIONS` lists, for
 every operation, the statuses it can return besides ``200``; :func:`complete` adds them (each with an
 :class:`~elastic.protocol.ErrorBody` whose ``error`` is one of the codes listed for that status), the
@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from elastic.master_errors import ErrorCode
 from elastic.protocol import API_PREFIX, JOB_HEADER, MAX_BODY_BYTES, NODE_SECRET_HEADER, ErrorBody
 
 #: Name of the security scheme in ``components.securitySchemes``.
@@ -34,7 +35,7 @@ class Refusal:
     when; ``challenge``: the answer carries ``WWW-Authenticate: Bearer ...``."""
 
     status: int
-    code: str
+    code: ErrorCode
     when: str
     challenge: bool = False
 
@@ -60,28 +61,41 @@ class Operation:
     ok: bool = True  # whether it can answer 200 at all
 
 
-UNAUTHORIZED = Refusal(401, "unauthorized", "missing or wrong bearer token", challenge=True)
-WRONG_JOB = Refusal(409, "wrong_job", f"the `{JOB_HEADER}` header is missing or names another job")
-TOO_LARGE = Refusal(413, "body_too_large", f"the body is over {MAX_BODY_BYTES} bytes (declared or sent)")
+UNAUTHORIZED = Refusal(401, ErrorCode.UNAUTHORIZED, "missing or wrong bearer token", challenge=True)
+WRONG_JOB = Refusal(409, ErrorCode.WRONG_JOB, f"the `{JOB_HEADER}` header is missing or names another job")
+TOO_LARGE = Refusal(
+    413, ErrorCode.BODY_TOO_LARGE, f"the body is over {MAX_BODY_BYTES} bytes (declared or sent)"
+)
 #: The gate's refusals, in the order it checks, for every operation under ``/v1``.
 GATE = (UNAUTHORIZED, WRONG_JOB, TOO_LARGE)
 
 INVALID = Refusal(
-    422, "invalid_request", "malformed JSON or a bad field or query parameter (the message names it)"
+    422, ErrorCode.INVALID_REQUEST, "malformed JSON or a bad field or query parameter (the message names it)"
 )
-NOT_LEADER = Refusal(503, "not_leader", "this master is a standby (or lost its lease): ask another master")
-UNKNOWN_NODE = Refusal(404, "unknown_node", "the master does not know the node (never joined, dead or left)")
-SETTINGS_MISMATCH = Refusal(409, "settings_mismatch", "the node's --nnodes differs from the job's")
-NODE_EXCLUDED = Refusal(409, "node_excluded", "the node check excluded this node from the job")
+NOT_LEADER = Refusal(
+    503, ErrorCode.NOT_LEADER, "this master is a standby (or lost its lease): ask another master"
+)
+UNKNOWN_NODE = Refusal(
+    404, ErrorCode.UNKNOWN_NODE, "the master does not know the node (never joined, dead or left)"
+)
+SETTINGS_MISMATCH = Refusal(409, ErrorCode.SETTINGS_MISMATCH, "the node's --nnodes differs from the job's")
+NODE_EXCLUDED = Refusal(
+    409,
+    ErrorCode.NODE_EXCLUDED,
+    "the node check excluded this node from the job, or it is excluded for flapping (until its cool-down "
+    "ends or `elastic-master readmit`)",
+)
 DUPLICATE_NODE = Refusal(
     409,
-    "duplicate_node",
+    ErrorCode.DUPLICATE_NODE,
     f"another live agent holds this node id (the join lacks its `{NODE_SECRET_HEADER}`)",
 )
 BAD_NODE_SECRET = Refusal(
-    403, "bad_node_secret", f"`{NODE_SECRET_HEADER}` is missing or is not the node's (from its join reply)"
+    403,
+    ErrorCode.BAD_NODE_SECRET,
+    f"`{NODE_SECRET_HEADER}` is missing or is not the node's (from its join reply)",
 )
-NO_SESSION = Refusal(401, "unauthorized", "no valid session cookie: log in at /ui/login")
+NO_SESSION = Refusal(401, ErrorCode.UNAUTHORIZED, "no valid session cookie: log in at /ui/login")
 TO_LOGIN = Answer(303, "not signed in: a redirect to the login form", headers=("Location",))
 _NODE = (INVALID, UNKNOWN_NODE, BAD_NODE_SECRET, NOT_LEADER)
 
@@ -96,6 +110,13 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", f"{API_PREFIX}/watch"): Operation(_NODE),
     ("post", f"{API_PREFIX}/leave"): Operation(_NODE),
     ("get", f"{API_PREFIX}/status"): Operation((NOT_LEADER,)),
+    ("post", f"{API_PREFIX}/nodes/{{node_id}}/readmit"): Operation(
+        (
+            INVALID,
+            Refusal(404, ErrorCode.UNKNOWN_NODE, "the node is not excluded for flapping"),
+            NOT_LEADER,
+        )
+    ),
     # Prometheus sends the token but no job header: the route checks the token itself, no gate.
     ("get", "/metrics"): Operation((UNAUTHORIZED,)),
     # The status page (master/ui.py): a login form sets a session cookie that only /ui accepts.
@@ -120,7 +141,7 @@ SESSION = "uiSession"
 
 
 def gated(path: str) -> bool:
-    """Whether :class:`master.server.Gatekeeper` guards ``path`` (its rule, kept in one place)."""
+    """Whether :class:`master.gatekeeper.Gatekeeper` guards ``path`` (its rule, kept in one place)."""
     return path.startswith(API_PREFIX + "/")
 
 

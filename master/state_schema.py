@@ -9,6 +9,8 @@ standbys first, then restarts the leader: docs/operations.md).
 
 from __future__ import annotations
 
+from elastic import errors
+
 #: The version this master writes.
 SCHEMA_VERSION = 1
 #: The versions this master reads (absent = 1: written before the key existed, same layout).
@@ -16,7 +18,7 @@ READABLE_VERSIONS = frozenset({1})
 SCHEMA_KEY = "schema"
 
 
-class UnreadableStateError(ValueError):
+class UnreadableStateError(errors.StoreError, ValueError):
     """The stored state is not one this master can continue from; the message says why in one line."""
 
 

@@ -55,9 +55,14 @@ def render_status(job: JobStatus) -> str:
         if node.persist_error
     ]
     replication = [_replication(node) for node in sorted(job.nodes, key=lambda n: n.node_id)]
+    excluded = [
+        _excluded(node)
+        for node in sorted(job.nodes, key=lambda n: n.node_id)
+        if node.readmit_in_s is not None
+    ]
     reason = [f"round {job.round}: {job.waiting_reason}"] if job.waiting_reason else []
     # Summaries, errors and verdicts quote what nodes and workers sent: one line each, no terminal escapes.
-    lines = [head, *lines, *checks, *persist, *filter(None, replication), *reason]
+    lines = [head, *lines, *checks, *persist, *filter(None, replication), *excluded, *reason]
     return "\n".join(printable(line) for line in lines)
 
 
@@ -70,6 +75,14 @@ def _replication(node: NodeStatus) -> str:
         f"lag {_or_dash(node.replication_lag)}"
     )
     return line + (f", error: {node.replication_error}" if node.replication_error else "")
+
+
+def _excluded(node: NodeStatus) -> str:
+    """``excluded node N: <reason> (in Ns; or: elastic-master readmit N)`` for a flapping exclusion."""
+    return (
+        f"excluded node {node.node_id}: {node.excluded_reason} (in {node.readmit_in_s:.0f}s; or: "
+        f"elastic-master readmit {node.node_id})"
+    )
 
 
 def _or_dash(value: int | None) -> str:
@@ -91,6 +104,8 @@ def _flags(node: NodeStatus) -> str:
     flags = []
     if node.straggler:
         flags.append("straggler")
+    if node.readmit_in_s is not None:
+        flags.append("flapping")
     verdict = node.node_check_verdict.split(":", 1)[0]
     if verdict and verdict != "ok":
         flags.append(f"check-{verdict}")

@@ -11,10 +11,12 @@ import abc
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from elastic import errors
+
 Snapshot = dict[str, Any]
 
 
-class StoreError(Exception):
+class StoreError(errors.StoreError):
     """The store cannot be used (unreachable, bad URL...); the message is one actionable line."""
 
 

@@ -18,12 +18,13 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from elastic.errors import ElasticRunError
 from master.store import StateFormatError
 
 log = logging.getLogger("elastic.master")
 
 
-class MasterFailure(Exception):
+class MasterFailure(ElasticRunError):
     """The master stopped because one of its tasks failed; the message is one line for the operator."""
 
 

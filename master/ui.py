@@ -10,7 +10,7 @@ Access is behind the job's token, without putting the token in a URL or giving i
   is an expiry time signed with a key derived from the job token (HMAC-SHA256): every master of the job
   (standbys too) accepts it, and a new token invalidates every session.
 * The cookie authorizes the ``/ui`` routes only. The node and script API under ``/v1`` keeps requiring
-  the bearer token (:class:`master.server.Gatekeeper` is unchanged): a browser session cannot join,
+  the bearer token (:class:`master.gatekeeper.Gatekeeper` is unchanged): a browser session cannot join,
   heartbeat or leave.
 * Pages carry no job data: the script fills them in with ``textContent`` (never ``innerHTML``), under a
   strict Content-Security-Policy (scripts and styles from this origin only, no inline code), with
@@ -30,6 +30,7 @@ from urllib.parse import parse_qs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
+from elastic.master_errors import ErrorCode
 from elastic.protocol import ErrorBody, JobStatus
 
 UI_PREFIX = "/ui"
@@ -77,7 +78,7 @@ class Sessions:
 
 
 def _unauthorized() -> Response:
-    body = ErrorBody(error="unauthorized", message="log in at /ui/login").model_dump()
+    body = ErrorBody(error=ErrorCode.UNAUTHORIZED, message="log in at /ui/login").model_dump()
     return JSONResponse(status_code=401, content=body)
 
 

@@ -28,7 +28,7 @@ import pytest
 from e2e import SHM, base_env, elastic_master_argv, elastic_run_argv, shm_folders, unique_job, wait_until
 from tools import require_tool
 
-from agent.ckpt_keeper import folder_name
+from agent.shm_folder import folder_name
 from elastic import ckpt_layout as layout
 from elastic.protocol import API_PREFIX, JOB_HEADER
 

@@ -21,14 +21,9 @@ from e2e import wait_until
 
 from agent import ckpt_fence
 from agent.channel import ProgressChannel
-from agent.ckpt_keeper import (
-    DEFAULT_ROOT,
-    OWNER_FILE,
-    CheckpointKeeper,
-    KeeperError,
-    folder_name,
-    parse_persist_delay,
-)
+from agent.ckpt_keeper import CheckpointKeeper
+from agent.ckpt_persist import parse_persist_delay
+from agent.shm_folder import DEFAULT_ROOT, OWNER_FILE, KeeperError, folder_name
 from elastic import ckpt_layout as layout
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

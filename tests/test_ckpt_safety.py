@@ -23,7 +23,8 @@ import pytest
 from e2e import REPO, base_env, wait_until
 
 from agent.ckpt_fence import FENCE_FILE, Decision, decide
-from agent.ckpt_keeper import OWNER_FILE, CheckpointKeeper, KeeperError
+from agent.ckpt_keeper import CheckpointKeeper
+from agent.shm_folder import OWNER_FILE, KeeperError
 from elastic import ckpt_layout as layout
 from elastic.job_settings import JobSettings
 from elastic.protocol import HeartbeatRequest, JoinRequest, NodeState

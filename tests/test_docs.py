@@ -24,6 +24,7 @@ COMMANDS: dict[str, click.Command] = {
     "elastic-run": run_cli,
     "elastic-master": master_cli,
     "elastic-master status": master_cli.commands["status"],  # type: ignore[attr-defined]
+    "elastic-master readmit": master_cli.commands["readmit"],  # type: ignore[attr-defined]
 }
 
 

@@ -41,7 +41,7 @@ from elastic.protocol import (
 )
 from master.credentials import hash_secret
 from master.etcd_store import EtcdStore
-from master.server import EmbeddedMaster
+from master.serving import EmbeddedMaster
 from master.settings import ServerSettings
 from master.store import StoreError
 from master.store_factory import check_store, open_store

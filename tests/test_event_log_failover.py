@@ -13,7 +13,7 @@ from elastic.client import MasterClient
 from elastic.job_settings import JobSettings
 from elastic.protocol import JoinRequest
 from master.etcd_store import EtcdStore
-from master.server import EmbeddedMaster
+from master.serving import EmbeddedMaster
 from master.settings import ServerSettings
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]

@@ -37,8 +37,8 @@ from e2e import (
     wait_until,
 )
 
-from agent.ckpt_keeper import folder_name
-from elastic import checkpoint, restore
+from agent.shm_folder import folder_name
+from elastic import checkpoint, memory_ckpt, restore
 from elastic import ckpt_layout as layout
 from elastic.checkpoint import CheckpointError
 
@@ -153,7 +153,7 @@ def test_too_small_shared_memory_is_a_clear_error_naming_the_sizes(
     checkpoint.save({"w": torch.ones(1)}, 1)
     checkpoint.save({"w": torch.ones(1)}, 2)
     state = {"w": torch.zeros(3 << 20)}  # 12 MiB
-    monkeypatch.setattr(checkpoint, "_free_bytes", lambda directory: 5 << 20)
+    monkeypatch.setattr(memory_ckpt, "free_bytes", lambda directory: 5 << 20)
 
     with pytest.raises(
         CheckpointError, match=r"step 3: it needs about 13\.0 MiB .*only 5\.0 MiB is available"
@@ -162,7 +162,7 @@ def test_too_small_shared_memory_is_a_clear_error_naming_the_sizes(
 
     # Before giving up it dropped the older memory copy, never the newest one.
     assert [s for s, _ in layout.checkpoint_files(shm)] == [2]
-    monkeypatch.setattr(checkpoint, "_free_bytes", lambda directory: 100 << 20)
+    monkeypatch.setattr(memory_ckpt, "free_bytes", lambda directory: 100 << 20)
     assert checkpoint.save(state, 3) is not None
 
 

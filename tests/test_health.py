@@ -17,6 +17,7 @@ import pytest
 
 from agent.channel import ProgressChannel, RankProgress
 from agent.hang import Hang, HangWatch, WorkerObservation, hung_workers
+from elastic.contract import Progress
 from elastic.job_settings import JobSettings, SettingsError
 from elastic.protocol import (
     Command,
@@ -28,7 +29,8 @@ from elastic.protocol import (
     NodeStatus,
     WorkerProgress,
 )
-from master.job import Job, NodeExcludedError
+from master.job import Job
+from master.job_errors import NodeExcludedError
 from master.node_check import judge
 from master.rendezvous import Phase
 from master.status_view import render_status
@@ -179,7 +181,7 @@ def test_the_channel_keeps_compute_times_and_the_done_flag():
 
 
 def test_a_step_report_carries_the_step_time_minus_the_collective_wait(monkeypatch):
-    sent: list[dict] = []
+    sent: list[Progress] = []
     monkeypatch.setattr(report_module, "_send", sent.append)
     monkeypatch.setattr(report_module, "_last", None)
     monkeypatch.setattr(report_module, "_tracking", False)
@@ -192,9 +194,9 @@ def test_a_step_report_carries_the_step_time_minus_the_collective_wait(monkeypat
     report_module.add_comm_wait(0.5)
     report_module.report(4)  # two steps at once: per step
 
-    assert "b" not in sent[0]
-    assert sent[1]["b"] == pytest.approx(0.75)
-    assert sent[2]["b"] == pytest.approx(0.75)
+    assert sent[0].compute_s is None
+    assert sent[1].compute_s == pytest.approx(0.75)
+    assert sent[2].compute_s == pytest.approx(0.75)
 
 
 def test_the_first_report_arms_a_stack_dump_only_when_the_agent_names_a_file(monkeypatch):

@@ -16,7 +16,8 @@ from elastic.protocol import (
     NodeState,
     WorkerFailure,
 )
-from master.job import Job, SettingsMismatchError, UnknownNodeError
+from master.job import Job
+from master.job_errors import SettingsMismatchError, UnknownNodeError
 from master.rendezvous import Phase
 
 pytestmark = pytest.mark.timeout(10)

@@ -34,7 +34,8 @@ from elastic.protocol import (
     NodeState,
     WorkerFailure,
 )
-from master.server import EmbeddedMaster, MasterService
+from master.service import MasterService
+from master.serving import EmbeddedMaster
 from master.settings import ServerSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -392,6 +393,44 @@ def test_info_join_assign_heartbeat_leave_through_the_client(api: Api):
     cmd = client.heartbeat(HeartbeatRequest(node_id="a", round=1, state=NodeState.RUNNING))
     assert (cmd.command, cmd.round) == (Command.REJOIN, 2)
     assert client.status().restart_count == 0
+
+
+def test_a_round_is_named_by_term_and_number_on_the_wire(api: Api):
+    """The assignment names its term; a heartbeat or watch naming the same round number under another term
+    is told to rejoin (another leader's world); one without a term (an older agent) is judged by the number
+    alone. The client sends the term its assignment gave, and nothing a master of an older release would
+    refuse when there is none."""
+    master = api.start(min_nodes=1, max_nodes=1)
+    client = api.client(master)
+    client.join(join_req("a", min_nodes=1, max_nodes=1))
+    assignment = client.next_round("a", 0, 5.0).assignment
+    assert assignment is not None and assignment.term == master.service.store.term >= 1
+    http = api.http(master)
+    own = {**AUTH, NODE_SECRET_HEADER: client._secrets["a"]}
+
+    def beat(**fields: Any) -> dict[str, Any]:
+        body = dict(node_id="a", round=1, state="running", **fields)
+        response = http.post("/v1/heartbeat", json=body, headers=own)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    assert beat(term=assignment.term)["command"] == "continue"
+    assert beat()["command"] == "continue", "no term: round numbers alone"
+    stale = beat(term=assignment.term + 1)
+    assert (stale["command"], stale["term"]) == ("rejoin", assignment.term)
+    watch = dict(node_id="a", round=1, timeout=0)
+    for term, command in ((assignment.term, "continue"), (assignment.term + 1, "rejoin")):
+        reply = http.get("/v1/watch", params={**watch, "term": term}, headers=own)
+        assert reply.json()["command"] == command, reply.text
+    # Through the client: the remembered term travels with the heartbeat and the watch.
+    assert client.heartbeat(HeartbeatRequest(node_id="a", round=1, state=NodeState.RUNNING)).command is (
+        Command.CONTINUE
+    )
+    master.service.job.round_term += 1  # as if a later leader had closed its own round 1
+    assert client.heartbeat(HeartbeatRequest(node_id="a", round=1, state=NodeState.RUNNING)).command is (
+        Command.REJOIN
+    )
+    assert client.watch("a", 1, 0).command is Command.REJOIN
 
 
 def test_requests_for_a_node_need_the_secret_its_join_returned(api: Api):

@@ -1,5 +1,5 @@
 """Step down before draining, supervised tasks and the stored state's schema version (issue 15), in
-process: a real :class:`master.server.MasterService` on its own event loop with an in-memory store and a
+process: a real :class:`master.service.MasterService` on its own event loop with an in-memory store and a
 fake clock. The same behaviours through real daemons and etcd: tests/test_master_stepdown_e2e.py."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 
 from elastic.job_settings import JobSettings
 from master.fault_hook import InjectedFault, tick_fault_from_env
+from master.http_errors import ApiError
 from master.job import Job
-from master.server import ApiError, MasterService
+from master.service import MasterService
 from master.settings import ServerSettings
 from master.state_schema import SCHEMA_KEY, SCHEMA_VERSION, UnreadableStateError, check_version, describe
 from master.store import MemoryStore, StateFormatError

@@ -15,7 +15,9 @@ from elastic.job_settings import JobSettings
 from elastic.master_errors import Disposition, disposition
 from elastic.protocol import Command, HeartbeatRequest, JoinRequest, NodeState, WorkerFailure
 from master.credentials import JoinKind, hash_secret, judge_join, matches, new_secret
-from master.job import BadNodeSecretError, DuplicateNodeError, Job, UnknownNodeError
+from master.http_errors import http_status
+from master.job import Job
+from master.job_errors import BadNodeSecretError, DuplicateNodeError, UnknownNodeError
 from master.rendezvous import Phase
 
 pytestmark = pytest.mark.timeout(10)
@@ -122,7 +124,7 @@ def test_a_join_under_a_live_node_id_without_its_secret_is_a_duplicate_and_chang
     before = state(job)
     with pytest.raises(DuplicateNodeError) as info:
         job.join(join_req("a", host="10.9.9.9"), 1.0, sent)
-    assert (info.value.http_status, info.value.code) == (409, "duplicate_node")
+    assert (http_status(info.value), info.value.code) == (409, "duplicate_node")
     assert "node id a is in use by another live agent" in str(info.value) and "--node-id" in str(info.value)
     assert state(job) == before
     assert beat(job, "a", 1.0, secrets["a"]).command is Command.CONTINUE, "the first agent goes on"
@@ -216,7 +218,7 @@ def test_a_request_for_a_node_without_its_secret_is_refused_with_403_and_changes
     for what, request in refused_requests(job, "a", secret).items():
         with pytest.raises(BadNodeSecretError) as info:
             request()
-        assert (info.value.http_status, info.value.code) == (403, "bad_node_secret"), what
+        assert (http_status(info.value), info.value.code) == (403, "bad_node_secret"), what
         assert "node a" in str(info.value), what
         assert state(job) == before, f"a refused {what} changed the job"
     assert beat(job, "a", 1.0, secrets["a"]).command is Command.CONTINUE
@@ -301,13 +303,15 @@ def test_the_error_table_says_what_an_agent_does(status: int, code: str, expecte
 
 def test_every_error_the_job_raises_is_in_the_error_table() -> None:
     from elastic.master_errors import ERROR_TABLE
-    from master import job as job_module
+    from master import job_errors
+    from master.http_errors import HTTP_STATUS
 
     errors = [
         cls
-        for cls in vars(job_module).values()
-        if isinstance(cls, type) and issubclass(cls, job_module.JobError)
+        for cls in vars(job_errors).values()
+        if isinstance(cls, type) and issubclass(cls, job_errors.JobError)
     ]
     assert len(errors) >= 5
     for cls in errors:
-        assert (cls.http_status, cls.code) in ERROR_TABLE, cls.__name__
+        assert cls in HTTP_STATUS, f"{cls.__name__} has no HTTP status (master/http_errors.py)"
+        assert (HTTP_STATUS[cls], cls.code) in ERROR_TABLE, cls.__name__

@@ -24,7 +24,7 @@ from master.goodput import GoodputAccount
 from master.job import Job
 from master.job_events import Event
 from master.recovery_phases import RecoveryTracker
-from master.server import EmbeddedMaster
+from master.serving import EmbeddedMaster
 from master.settings import ServerSettings
 
 pytestmark = pytest.mark.timeout(30)

@@ -12,13 +12,16 @@ from typing import Any
 
 import httpx
 import pytest
+from e2e import wait_until
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from elastic.job_settings import JobSettings
 from elastic.protocol import API_PREFIX, JOB_HEADER, MAX_BODY_BYTES, NODE_SECRET_HEADER
 from master.openapi import BEARER, ERROR_SCHEMA, OPERATIONS, complete, describe, gated, uncovered
-from master.server import EmbeddedMaster, MasterService, create_app
+from master.server import create_app
+from master.service import MasterService
+from master.serving import EmbeddedMaster
 from master.settings import ServerSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,7 +32,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}", JOB_HEADER: JOB}
 
 
 def settings() -> ServerSettings:
-    job = JobSettings(job_id=JOB, min_nodes=1, max_nodes=2, last_call_s=0.0, heartbeat_timeout_s=600.0)
+    job = JobSettings(
+        job_id=JOB, min_nodes=1, max_nodes=2, last_call_s=0.0, heartbeat_timeout_s=600.0, flap_limit=1
+    )
     return ServerSettings(job=job, token=TOKEN, host="127.0.0.1", port=0)
 
 
@@ -121,8 +126,8 @@ def test_the_live_document_is_the_completed_one_and_needs_no_token(master: Embed
 
 def test_each_refusal_the_document_lists_for_the_node_api_is_real(master: EmbeddedMaster):
     """Provoke every (status, code) the document lists for /v1 (but 503 not_leader, which needs a standby,
-    see tests/test_master_failover_e2e.py, and node_excluded, which needs a node check) and check the
-    reply's code is one the document lists for that status."""
+    see tests/test_master_failover_e2e.py) and check the reply's code is one the document lists for that
+    status. node_excluded: a node that flaps (--flap-limit 1) out of the job."""
     document = FastAPI.openapi(app())
     document = complete(document)
     seen: dict[tuple[str, str], set[tuple[int, str]]] = {}
@@ -130,6 +135,7 @@ def test_each_refusal_the_document_lists_for_the_node_api_is_real(master: Embedd
 
         def call(method: str, name: str, headers: dict[str, str] | None = None, **kwargs: Any):
             response = http.request(method, f"{API_PREFIX}/{name}", headers=headers or AUTH, **kwargs)
+            name = "nodes/{node_id}/readmit" if name.startswith("nodes/") else name  # the path's template
             doc = document["paths"][f"{API_PREFIX}/{name}"][method.lower()]["responses"]
             assert str(response.status_code) in doc, (name, response.status_code, response.text)
             if response.status_code != 200:
@@ -175,11 +181,39 @@ def test_each_refusal_the_document_lists_for_the_node_api_is_real(master: Embedd
         call("POST", "leave", AUTH, json={"node_id": "ghost"})
         call("POST", "leave", wrong, json={"node_id": "a"})
         call("POST", "leave", mine, json={"node_id": "a"})
+
+        def agent_dies(node_secret: str) -> None:
+            """The agent holding ``node_secret`` for node f dies: its long-poll's connection closes."""
+            before = suspects()
+            with pytest.raises(httpx.ReadTimeout):
+                http.get(f"{API_PREFIX}/round", params={"node_id": "f", "after": 10**6, "timeout": 30},
+                         headers={**AUTH, NODE_SECRET_HEADER: node_secret}, timeout=0.5)  # fmt: skip
+            wait_until(lambda: suspects() > before, 20.0, "the master never noticed the closed long-poll")
+
+        def suspects() -> int:
+            events = http.get(f"{API_PREFIX}/status", headers=AUTH).json()["events"]
+            return sum(
+                1 for e in events if e["kind"] == "node_suspect" and e["message"].startswith("node f ")
+            )
+
+        flappy = {**join, "node_id": "f"}
+        agent_dies(call("POST", "join", AUTH, json=flappy).json()["node_secret"])
+        agent_dies(call("POST", "join", AUTH, json=flappy).json()["node_secret"])  # a restart: one flap
+        excluded = call("POST", "join", AUTH, json=flappy)  # a second: more than --flap-limit 1
+        assert excluded.json()["error"] == "node_excluded" and "for flapping" in excluded.json()["message"]
+        readmit = "nodes/f/readmit"
+        call("POST", readmit, {"Authorization": "Bearer nope", JOB_HEADER: JOB})
+        call("POST", readmit, {**AUTH, JOB_HEADER: "another-job"})
+        call("POST", readmit, AUTH, content=b"{" + b" " * (MAX_BODY_BYTES + 1) + b"}")
+        call("POST", f"nodes/{'x' * 129}/readmit", AUTH)  # over the 128 characters of a node id
+        call("POST", "nodes/ghost/readmit", AUTH)
+        call("POST", readmit, AUTH)
+        call("POST", "join", AUTH, json=flappy)  # accepted again
     for method, path, _ in operations(document):
         if not gated(path):
             continue
         row = describe(method, path)
-        listed = {(r.status, r.code) for r in row.refusals} - {(503, "not_leader"), (409, "node_excluded")}
+        listed = {(r.status, r.code) for r in row.refusals} - {(503, "not_leader")}
         got = {(status, code) for status, code in seen[(method, path)] if status != 200}
         assert got == listed, f"{method} {path}: provoked {sorted(got)}, the document lists {sorted(listed)}"
         assert (200, "") in seen[(method, path)], f"{method} {path} never succeeded"

@@ -84,3 +84,34 @@ def test_no_module_import_cycles() -> None:
         if module not in state:
             visit(module, [module])
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+#: The agent's decisions are a pure state machine (agent.machine): the standard library, minus anything
+#: that waits, spawns or talks, and the wire models; the executor (agent.loop) does all I/O.
+PURE_AGENT_MODULES = {
+    "agent.machine": {"agent.machine_events", "elastic.protocol"},
+    "agent.machine_events": {"elastic.protocol"},
+}
+IO_MODULES = {"asyncio", "os", "queue", "selectors", "socket", "subprocess", "threading", "time"}
+
+
+@pytest.mark.timeout(60)
+def test_the_agent_machine_does_no_io() -> None:
+    import sys
+
+    wrong = []
+    for module, allowed in PURE_AGENT_MODULES.items():
+        path = REPO / (module.replace(".", "/") + ".py")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                stdlib = top in sys.stdlib_module_names and top not in IO_MODULES
+                if not (stdlib or name in allowed or top == "__future__"):
+                    wrong.append(f"{module} imports {name}")
+    assert not wrong, "the agent machine must stay pure:\n" + "\n".join(wrong)

@@ -1,5 +1,6 @@
-"""Peer replication of sharded memory checkpoints (agent/replication.py): a real listener and sender over
-loopback TCP, the receiver's layout and hashes, authentication, a damaged transfer, the lag."""
+"""Peer replication of sharded memory checkpoints (agent/replication.py, agent/replica_server.py,
+agent/replication_wire.py): a real listener and sender over loopback TCP, the receiver's layout and
+hashes, authentication, a damaged transfer, the lag."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.replication import ReplicaServer, Replicator, _mac, _Reader, _send_line
+from agent.replica_server import ReplicaServer
+from agent.replication import Replicator
+from agent.replication_wire import Reader, mac, send_line
 from elastic import shard_layout as sl
 
 
@@ -87,13 +90,13 @@ def test_a_wrong_token_is_refused_and_reported(nodes, tmp_path: Path) -> None:
 def test_bytes_damaged_in_transit_are_not_committed(nodes) -> None:
     _, b, server, _ = nodes
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-        reader = _Reader(sock)
+        reader = Reader(sock)
         nonce = reader.line()["nonce"]
-        _send_line(sock, {"job": "job", "node": "nodeZ", "mac": _mac("secret-token", nonce, "job", "nodeZ")})
+        send_line(sock, {"job": "job", "node": "nodeZ", "mac": mac("secret-token", nonce, "job", "nodeZ")})
         assert reader.line() == {"ok": True}
-        _send_line(sock, {"step": 2, "save_id": "00000000000000dd", "files": [["__0_0.distcp", 4]]})
+        send_line(sock, {"step": 2, "save_id": "00000000000000dd", "files": [["__0_0.distcp", 4]]})
         sock.sendall(b"abcd")
-        _send_line(sock, {"sha256": {"__0_0.distcp": "0" * 64}})
+        send_line(sock, {"sha256": {"__0_0.distcp": "0" * 64}})
         reply = reader.line()
     assert reply["ok"] is False and "sha256 mismatch" in reply["error"]
     root = b / sl.REPLICAS_SUBDIR / "nodeZ" / sl.SHARDED_SUBDIR

@@ -1,4 +1,4 @@
-"""Replication's one TLS rule (agent.replication.tls_contexts): the listener serves TLS and the sender
+"""Replication's one TLS rule (agent.replication_wire.tls_contexts): the listener serves TLS and the sender
 speaks it exactly when the agent has --tls-cert/--tls-key; an agent with only --tls-ca (it verifies the
 master) replicates in plain TCP. Real certificates generated here, a real listener and sender."""
 
@@ -11,7 +11,9 @@ import pytest
 from certs import LOCAL_NAMES, CertAuthority
 from test_replication import fake_save
 
-from agent.replication import TLS_RULE, ReplicaServer, Replicator, tls_contexts
+from agent.replica_server import ReplicaServer
+from agent.replication import Replicator
+from agent.replication_wire import TLS_RULE, tls_contexts
 from elastic import shard_layout as sl
 from elastic.tls import TLSConfigError
 

@@ -28,7 +28,7 @@ from e2e import (
     wait_until,
 )
 
-from agent.ckpt_keeper import folder_name
+from agent.shm_folder import folder_name
 from elastic import shard_layout as sl
 
 launch = e2e.launch

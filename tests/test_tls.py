@@ -29,7 +29,7 @@ from e2e import TRAIN_SCRIPT, Proc, base_env, elastic_master_argv, elastic_run_a
 from elastic.client import MasterClient, MasterTLSError
 from elastic.job_settings import JobSettings
 from elastic.tls import server_context
-from master.server import EmbeddedMaster
+from master.serving import EmbeddedMaster
 from master.settings import ServerSettings
 
 launch = e2e.launch  # the fixture: every process tree a test launches is killed at its teardown

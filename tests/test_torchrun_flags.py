@@ -26,6 +26,7 @@ from click.core import ParameterSource
 from e2e import REPO, base_env, elastic_run_argv
 
 import agent.cli
+import agent.cli_values
 from agent import torchrun_compat as tc
 from agent.events import PREFIX, ConsoleEventLog, event_log_for
 from agent.filtered_log import FilteredLog, open_filtered_logs
@@ -212,7 +213,7 @@ def test_shutdown_timeout_and_stop_grace(resolve) -> None:
 
 def test_cli_resolves_torchrun_flags(resolve, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(agent.cli, "_visible_gpus", lambda: 0)
+    monkeypatch.setattr(agent.cli_values, "visible_gpus", lambda: 0)
     settings = resolve(
         "--nproc-per-node",
         "2",
@@ -388,7 +389,7 @@ def _no_gpu_env() -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(agent.cli._visible_gpus() > 0, reason="checks the no-GPU behaviour")
+@pytest.mark.skipif(agent.cli_values.visible_gpus() > 0, reason="checks the no-GPU behaviour")
 def test_console_filter_duplicates_virtual_rank_events_and_warnings(launch, tmp_path: Path) -> None:
     script = write_script(tmp_path, "reporter.py", REPORTER)
     logs = tmp_path / "logs"
@@ -506,7 +507,7 @@ def test_sigusr1_is_forwarded_to_the_workers_and_the_job_goes_on(launch, tmp_pat
 
 def test_agent_modules_stay_free_of_torch() -> None:
     code = (
-        "import agent.cli, agent.cli_torchrun, agent.signals, agent.events, agent.loop, sys; "
+        "import agent.cli, agent.cli_torchrun, agent.startup, agent.signals, agent.events, agent.loop, sys; "
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

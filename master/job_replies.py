@@ -1,0 +1,81 @@
+"""What the job answers a node: its command, its assignment, its replication peers."""
+
+from __future__ import annotations
+
+from elastic.protocol import (
+    Assignment,
+    Command,
+    CommandReply,
+    Outcome,
+)
+from elastic.shard_layout import ring_targets
+from master.job_state import EXIT_FAILED, JobState
+from master.rendezvous import Phase
+
+
+def command_reply(job: JobState, command: Command) -> CommandReply:
+    return CommandReply(
+        command=command,
+        round=job.rdzv.round,
+        term=job.round_term,
+        outcome=job.outcome,
+        master_id=job.master_id,
+    )
+
+
+def assignment(job: JobState, slot) -> Assignment:
+    current = job.rdzv.current
+    return Assignment(
+        round=current.number,
+        node_rank=slot.node_rank,
+        nnodes=len(current.slots),
+        rank_offset=slot.rank_offset,
+        world_size=current.world_size,
+        master_addr=current.master_addr,
+        master_port=current.master_port,
+        restart_count=job.restart_count,
+        max_restarts=job.settings.max_restarts,
+        members=current.members,
+        committed_step=job.committed_step,
+        check=job.node_check.covers(current.number),
+        term=job.round_term,
+    )
+
+
+def exclude_reply(job: JobState, node_id: str) -> CommandReply:
+    """Tell an excluded node's agent to stop, with the line it exits with (:meth:`JobState.exclusion`)."""
+    summary = job.exclusion(node_id) or f"node {node_id} was excluded from the job"
+    return CommandReply(
+        command=Command.EXCLUDE,
+        round=job.rdzv.round,
+        outcome=Outcome(succeeded=False, exit_code=EXIT_FAILED, summary=summary),
+        master_id=job.master_id,
+    )
+
+
+def replica_targets(job: JobState, node_id: str, replicas: int) -> list[str]:
+    """The replication endpoints of a node's ring successors in the current round (O(replicas))."""
+    peers = []
+    for peer in ring_targets(job.rdzv.current.members, node_id, replicas):
+        info = job.nodes.get(peer)
+        port = info.replication_port if info is not None else None
+        host = info.host if info is not None else ""
+        peers.append(f"[{host}]:{port}" if ":" in host and port else f"{host}:{port}" if port else "")
+    return peers
+
+
+def command_for(job: JobState, node_id: str, node_round: int, node_term: int | None = None) -> CommandReply:
+    """What a node whose workers run in round ``(node_term, node_round)`` must do now (heartbeat and
+    watch). ``node_term`` None (an agent without terms) compares round numbers alone."""
+    if job.outcome is not None:
+        return command_reply(job, Command.STOP)
+    if job.exclusion(node_id) is not None:
+        return exclude_reply(job, node_id)
+    if node_round and (node_round != job.rdzv.round or job.rdzv.phase is Phase.OPEN):
+        return command_reply(job, Command.REJOIN)
+    if node_round and not job.rdzv.is_member(node_id):
+        return command_reply(job, Command.REJOIN)
+    if node_round and node_term is not None and node_term != job.round_term:
+        # The same number under another term is another world (a leader that never stored it).
+        return command_reply(job, Command.REJOIN)
+    return command_reply(job, Command.CONTINUE)
