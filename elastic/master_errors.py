@@ -37,6 +37,7 @@ class ErrorCode(str, Enum):
     BODY_TOO_LARGE = "body_too_large"  # the request body is over the limit
     INVALID_REQUEST = "invalid_request"  # malformed JSON, or a bad field or query parameter
     NOT_LEADER = "not_leader"  # a standby master (or one that lost its lease)
+    BUSY = "busy"  # the master serves its maximum of connections (master.conn_guard)
     NOT_FOUND = "not_found"  # no such path on this listener
 
     # A member equals its wire text (str's __eq__) and must hash like it, so that tables keyed by members
@@ -63,6 +64,7 @@ _ALIASES: dict[str, str] = {"node_unknown": ErrorCode.UNKNOWN_NODE.value}
 ERROR_TABLE: dict[tuple[int, ErrorCode], Disposition] = {
     (400, ErrorCode.JOB_ERROR): Disposition.FINAL,
     (401, ErrorCode.UNAUTHORIZED): Disposition.FINAL,  # wrong token
+    (429, ErrorCode.UNAUTHORIZED): Disposition.FINAL,  # wrong token, repeated: refused at once for a while
     (403, ErrorCode.BAD_NODE_SECRET): Disposition.FINAL,  # another agent holds this node id now
     (404, ErrorCode.UNKNOWN_NODE): Disposition.REJOIN,  # declared dead, or a master restarted without state
     (409, ErrorCode.WRONG_JOB): Disposition.FINAL,
@@ -72,6 +74,7 @@ ERROR_TABLE: dict[tuple[int, ErrorCode], Disposition] = {
     (413, ErrorCode.BODY_TOO_LARGE): Disposition.FINAL,
     (422, ErrorCode.INVALID_REQUEST): Disposition.FINAL,
     (503, ErrorCode.NOT_LEADER): Disposition.RETRY,  # a standby: the client tries the next address
+    (503, ErrorCode.BUSY): Disposition.RETRY,  # at its connection cap: later, or another master
 }
 
 

@@ -13,6 +13,7 @@ from elastic.auth import TOKEN_ENV, TokenError, create_token_file, loose_permiss
 from elastic.cli_options import job_policy_options
 from elastic.listener_rules import MASTER_API, Auth, check_listener
 from elastic.tls import TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TLSConfigError, client_context, server_context
+from master.conn_options import connection_options, connection_settings
 from master.observability_options import bind_metrics, observability_options, observability_settings
 from master.settings import ServerSettings
 
@@ -123,6 +124,7 @@ def _check_tls(cert: str | None, key: str | None) -> None:
     help=f"The certificate's PEM private key (unencrypted). Default: {TLS_KEY_ENV}.",
 )
 @observability_options
+@connection_options
 @click.pass_context
 def cli(ctx: click.Context, **opts) -> None:
     """Serve one elastic job: rendezvous rounds, heartbeats, failure verdicts.
@@ -180,7 +182,7 @@ def cli(ctx: click.Context, **opts) -> None:
         tls_cert=opts["tls_cert"],
         tls_key=opts["tls_key"],
     )
-    settings = observability_settings(settings, opts)
+    settings = connection_settings(observability_settings(settings, opts), opts)
     try:
         password = read_password_file(opts["store_password_file"]) if opts["store_password_file"] else None
     except StoreError as exc:

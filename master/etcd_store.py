@@ -7,23 +7,23 @@ Keys, under ``/elastic/<job_id>/``:
     of ``lease_ttl_s`` that the leader keeps alive every TTL/3. The key vanishes when the lease is
     revoked (clean shutdown: a standby takes over at once) or expires (a crashed or cut-off leader: a
     standby takes over after at most one TTL).
-``state``
-    The JSON snapshot of :meth:`master.job.Job.snapshot`. It is written only by a transaction that checks
-    that the leader key still is *this* master's key (same value and same create revision, which names one
+``state``, ``node/...``, ``nstate/...``, ``event/...``, ``chunk/...``
+    The snapshot of :meth:`master.job.Job.snapshot` as records (``master/etcd_layout.py``); a save
+    writes only the records that changed (``master/etcd_state.py``), in transactions that each check that
+    the leader key still is *this* master's key (same value and same create revision, which names one
     lease term), so a deposed master can never overwrite the state of the master that replaced it.
+    ``state`` written by the previous release (the whole snapshot as one JSON value) is still read.
 
-Behind TLS: the etcd client (``aetcd``) speaks plain gRPC only. An etcd that requires TLS is reached through
-``etcd grpc-proxy`` on the master's host (listening on 127.0.0.1, speaking TLS with a client certificate to
-etcd); with etcd's authentication on, the master logs in as the user named in ``--store`` with its password,
-which the proxy passes on. Pointed straight at a TLS port, :meth:`EtcdStore.start` says so in one line.
-See docs/operations.md ("etcd behind TLS").
+Behind TLS: the etcd client (``aetcd``) speaks plain gRPC only; an etcd that requires TLS is reached through
+``etcd grpc-proxy`` on the master's host, with etcd's user and password from ``--store`` (docs/operations.md,
+"etcd behind TLS"). Pointed straight at a TLS port, :meth:`EtcdStore.start` says so in one line.
 
 A leader that cannot renew its lease before two thirds of its TTL have passed (etcd unreachable), or that
 finds its lease or leader key gone, steps down: ``on_lost`` is called once and the master answers 503
 until it wins a new campaign. The campaign retries while etcd is unreachable, reconnecting (to the next
 endpoint when several are given), so a master recovers by itself once etcd is back.
 
-Only this module imports the etcd client (``aetcd``); ``master.store`` imports it lazily.
+Only the ``master/etcd_*.py`` modules import the etcd client; ``master.store_factory`` imports them lazily.
 """
 
 from __future__ import annotations
@@ -31,97 +31,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
 
 import aetcd
-from aetcd import rpc
-from aetcd.rtypes import EventKind
 
 from elastic.tls import speaks_tls
+from master import etcd_client as ec
+from master.etcd_state import StateRecords
 from master.store import Snapshot, StateFormatError, StateStore, StoreError
 
 log = logging.getLogger("elastic.master.etcd")
 
 #: Seconds the first read of :meth:`EtcdStore.start` may take before etcd counts as unreachable.
 START_TIMEOUT_S = 3.0
-#: Deadline of one etcd request.
-RPC_TIMEOUT_S = 5.0
-#: Longest wait for the leader key to go away before the campaign simply tries again.
-CAMPAIGN_RECHECK_S = 5.0
 #: Retry delays of a campaign while etcd is unreachable.
 RETRY_MIN_S, RETRY_MAX_S = 0.2, 2.0
-
-#: Errors that mean "etcd did not answer" (as opposed to "etcd answered no").
-_TRANSIENT = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError, asyncio.TimeoutError, TimeoutError)
-#: gRPC backs off reconnecting for up to two minutes by default; etcd coming back must be noticed within
-#: a lease TTL.
-_CHANNEL_OPTIONS = {
-    "grpc.initial_reconnect_backoff_ms": 200,
-    "grpc.min_reconnect_backoff_ms": 200,
-    "grpc.max_reconnect_backoff_ms": 1000,
-}
-
-
-#: How to reach an etcd that requires TLS, for the one-line errors that meet one.
-TLS_HINT = (
-    "the master's etcd client speaks plain gRPC only: run `etcd grpc-proxy start` with a client certificate "
-    "on this host, listening on 127.0.0.1, and give --store etcd://127.0.0.1:PROXY_PORT (docs/operations.md, "
-    '"etcd behind TLS")'
-)
-
-
-def parse_endpoints(text: str) -> list[tuple[str, int]]:
-    """``HOST:PORT[,HOST:PORT...]`` (an ``http://`` prefix is tolerated) → ``[(host, port), ...]``."""
-    out = []
-    for part in text.split(","):
-        part = part.strip().removeprefix("http://").rstrip("/")
-        if not part:
-            continue
-        if part.startswith("https://"):
-            raise StoreError(f"--store etcd://{text}: {part} is an https endpoint; {TLS_HINT}")
-        host, sep, port = part.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise StoreError(f"--store etcd://{text}: each etcd endpoint must be HOST:PORT, got {part!r}")
-        out.append((host, int(port)))
-    if not out:
-        raise StoreError(f"--store etcd://{text}: no etcd endpoint given; use etcd://HOST:PORT")
-    return out
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
-
-
-async def _refresh_lease(client: aetcd.Client, lease_id: int) -> rpc.LeaseKeepAliveResponse | None:
-    """Renew a lease once. Unlike ``aetcd.Client.refresh_lease``, the request stream stays open until the
-    reply came: etcd's grpc-proxy cancels a keep-alive whose client closed its side first ("context
-    canceled"), which would make every renewal through the proxy fail."""
-    await client.connect()
-    answered = asyncio.Event()
-
-    async def requests():
-        yield rpc.LeaseKeepAliveRequest(ID=lease_id)
-        await answered.wait()
-
-    call = client.leasestub.LeaseKeepAlive(requests(), timeout=RPC_TIMEOUT_S, metadata=client.metadata)
-    try:
-        async for reply in call:
-            return reply
-        return None
-    except rpc.AioRpcError as exc:
-        if exc.code() is rpc.StatusCode.UNAVAILABLE:
-            raise aetcd.ConnectionFailedError(exc.details()) from None
-        if exc.code() is rpc.StatusCode.DEADLINE_EXCEEDED:
-            raise aetcd.ConnectionTimeoutError(exc.details()) from None
-        raise aetcd.ClientError(exc.details()) from None
-    finally:
-        answered.set()
-        call.cancel()
 
 
 class EtcdStore(StateStore):
@@ -143,7 +70,7 @@ class EtcdStore(StateStore):
             raise StoreError("the etcd store needs a job id")
         if (username is None) != (password is None):
             raise StoreError("the etcd store needs both a user name and a password, or neither")
-        self.endpoints = parse_endpoints(endpoints)
+        self.endpoints = ec.parse_endpoints(endpoints)
         self._username, self._password = username, password
         self.job_id = job_id
         # etcd grants whole seconds (and at least 2 s on a default server); the granted TTL is used.
@@ -151,6 +78,7 @@ class EtcdStore(StateStore):
         prefix = f"/elastic/{job_id}/"
         self.leader_key = (prefix + "leader").encode()
         self.state_key = (prefix + "state").encode()
+        self._records = StateRecords(prefix.encode(), frozenset({"leader"}))
         self._endpoint_index = 0
         self._client: aetcd.Client | None = None
         # The current term, while leading: lease id, its granted TTL, the leader key's create revision.
@@ -161,10 +89,9 @@ class EtcdStore(StateStore):
         #: Monotonic time when this term must be treated as over unless the lease was renewed (see leading).
         self._valid_until = 0.0
         self._on_lost: Callable[[], Awaitable[None] | None] | None = None
-        self._lost_fired = True
+        self._lost_fired, self._closed = True, False
         #: Leases of former terms that could not be revoked yet (etcd was unreachable).
         self._stale_leases: set[int] = set()
-        self._closed = False
 
     # -- connection ---------------------------------------------------------------------------------
     @property
@@ -183,8 +110,8 @@ class EtcdStore(StateStore):
                 port=port,
                 username=self._username,
                 password=self._password,
-                timeout=RPC_TIMEOUT_S,
-                options=_CHANNEL_OPTIONS,
+                timeout=ec.RPC_TIMEOUT_S,
+                options=ec.CHANNEL_OPTIONS,
             )
         return self._client
 
@@ -205,10 +132,10 @@ class EtcdStore(StateStore):
             try:
                 await asyncio.wait_for(self._connect().get(self.leader_key), START_TIMEOUT_S)
                 return
-            except (aetcd.ClientError, *_TRANSIENT) as exc:
+            except (aetcd.ClientError, *ec.TRANSIENT) as exc:
                 timed_out = isinstance(exc, (asyncio.TimeoutError, TimeoutError))
-                reason = f"no answer within {START_TIMEOUT_S:g}s" if timed_out else _one_line(exc)
-                if not isinstance(exc, _TRANSIENT):
+                reason = f"no answer within {START_TIMEOUT_S:g}s" if timed_out else ec.one_line(exc)
+                if not isinstance(exc, ec.TRANSIENT):
                     refusals.append(f"{endpoint}: {reason}" if len(self.endpoints) > 1 else reason)
                 elif await asyncio.to_thread(speaks_tls, *self.endpoints[self._endpoint_index], 1.0):
                     tls.append(endpoint)  # plain gRPC to a TLS port: the handshake fails, "Socket closed"
@@ -223,7 +150,7 @@ class EtcdStore(StateStore):
                 "check --store's user and --store-password-file)"
             )
         if tls:
-            raise StoreError(f"etcd at {', '.join(tls)} speaks TLS: {TLS_HINT}")
+            raise StoreError(f"etcd at {', '.join(tls)} speaks TLS: {ec.TLS_HINT}")
         raise StoreError(
             f"etcd at {self._describe_endpoints()} is unreachable: {'; '.join(errors)}; "
             "start etcd or fix --store"
@@ -268,7 +195,7 @@ class EtcdStore(StateStore):
                         lease.ttl,
                     )
                     return
-                with contextlib.suppress(aetcd.ClientError, *_TRANSIENT):
+                with contextlib.suppress(aetcd.ClientError, *ec.TRANSIENT):
                     await client.revoke_lease(lease.id)  # a lease per attempt: the next one gets a fresh one
                 holder = responses[0][0][1] if responses and responses[0] else None
                 if holder is not None and holder.value == candidate.encode():
@@ -280,37 +207,23 @@ class EtcdStore(StateStore):
                     )
                     continue
                 revision = holder.mod_revision if holder is not None else 0
-                await self._wait_for_vacancy(client, revision)
+                await ec.wait_for_vacancy(client, self.leader_key, revision)
                 delay = RETRY_MIN_S
             except asyncio.CancelledError:
                 raise
-            except (aetcd.ClientError, *_TRANSIENT) as exc:
+            except (aetcd.ClientError, *ec.TRANSIENT) as exc:
                 now = time.monotonic()
                 if now - last_warning > 30.0:
                     last_warning = now
                     log.warning(
                         "etcd at %s does not answer (%s); job %s has no leader here until it does",
                         self.endpoint,
-                        _one_line(exc),
+                        ec.one_line(exc),
                         self.job_id,
                     )
                 await self._reconnect()
                 await asyncio.sleep(delay)
                 delay = min(RETRY_MAX_S, delay * 2)
-
-    async def _wait_for_vacancy(self, client: aetcd.Client, revision: int) -> None:
-        """Return when the leader key seen at ``revision`` is deleted, or after a while (then re-check)."""
-        start = revision + 1 if revision else None
-        try:
-            event = await client.watch_once(
-                self.leader_key, timeout=CAMPAIGN_RECHECK_S, start_revision=start, kind=EventKind.DELETE
-            )
-        except aetcd.WatchTimeoutError:
-            return  # nothing happened for a while: the caller re-checks (covers a lost watch event)
-        if isinstance(event, Exception):  # the watch stream broke (aetcd delivers the error as the event)
-            if isinstance(event, aetcd.ClientError):
-                raise event
-            raise aetcd.ConnectionFailedError(_one_line(event))
 
     def _start_term(
         self,
@@ -322,6 +235,7 @@ class EtcdStore(StateStore):
         on_lost: Callable[[], Awaitable[None] | None],
     ) -> None:
         self._candidate, self._lease_id, self._leader_revision = candidate, lease_id, revision
+        self._records.written = None  # a deposed master may have written part of a save: read it first
         self._on_lost, self._lost_fired = on_lost, False
         self._valid_until = granted_at + 2.0 * max(1, ttl) / 3.0  # the keep-alive's step-down deadline
         self._keepalive = asyncio.create_task(
@@ -342,7 +256,7 @@ class EtcdStore(StateStore):
             give_up = renewed_at + 2.0 * period
             try:
                 client = self._connect()
-                reply = await asyncio.wait_for(_refresh_lease(client, lease_id), max(0.05, give_up - sent))
+                reply = await asyncio.wait_for(ec.refresh_lease(client, lease_id), max(0.05, give_up - sent))
                 if reply is None or reply.TTL <= 0:
                     return await self._lose(f"its etcd lease {lease_id:x} expired")
                 left = max(0.05, give_up - time.monotonic())
@@ -353,13 +267,13 @@ class EtcdStore(StateStore):
                 self._valid_until = renewed_at + 2.0 * period
             except asyncio.CancelledError:
                 raise
-            except (aetcd.ClientError, *_TRANSIENT) as exc:
+            except (aetcd.ClientError, *ec.TRANSIENT) as exc:
                 if time.monotonic() >= give_up:
                     return await self._lose(
-                        f"etcd at {self.endpoint} did not renew its lease in time ({_one_line(exc)})"
+                        f"etcd at {self.endpoint} did not renew its lease in time ({ec.one_line(exc)})"
                     )
-                if not isinstance(exc, _TRANSIENT):
-                    return await self._lose(f"etcd refused to renew its lease ({_one_line(exc)})")
+                if not isinstance(exc, ec.TRANSIENT):
+                    return await self._lose(f"etcd refused to renew its lease ({ec.one_line(exc)})")
                 if len(self.endpoints) > 1:
                     await self._reconnect()  # the lease is cluster-wide: try it at another endpoint
                 await asyncio.sleep(min(period / 3.0, max(0.0, give_up - time.monotonic())))
@@ -407,7 +321,7 @@ class EtcdStore(StateStore):
         for lease_id in list(self._stale_leases):
             try:
                 await self._connect().revoke_lease(lease_id)
-            except _TRANSIENT:
+            except ec.TRANSIENT:
                 raise
             except aetcd.ClientError:
                 pass  # "requested lease not found": it expired already
@@ -428,42 +342,33 @@ class EtcdStore(StateStore):
 
     # -- state ----------------------------------------------------------------------------------------
     async def load(self) -> Snapshot | None:
+        """The stored snapshot (``master/etcd_state.py``), or None for a new job."""
         try:
-            kv = await self._connect().get(self.state_key)
-        except (aetcd.ClientError, *_TRANSIENT) as exc:
+            snapshot, problem = await self._records.load(self._connect())
+        except (aetcd.ClientError, *ec.TRANSIENT) as exc:
             raise StoreError(
-                f"cannot read the state of job {self.job_id} from etcd at {self.endpoint}: {_one_line(exc)}"
+                f"cannot read the state of job {self.job_id} from etcd at {self.endpoint}: {ec.one_line(exc)}"
             ) from None
-        if kv is None:
-            return None
-        try:
-            return json.loads(kv.value)
         except ValueError as exc:
-            raise StateFormatError(
-                f"cannot continue job {self.job_id}: its stored state ({self.state_location}) is not JSON: "
-                f"{exc}; fix or delete that key"
-            ) from None
+            problem = f"is not JSON: {exc}"
+        if problem is None:
+            return snapshot
+        where = f"cannot continue job {self.job_id}: its stored state ({self.state_location})"
+        raise StateFormatError(f"{where} {problem}; fix or delete that key")
 
     async def save(self, snapshot: Snapshot) -> None:
-        """Write the snapshot only if the leader key is still this term's (a transaction), else raise."""
+        """Write what changed since the last save, in transactions that each check that the leader key
+        is still this term's; raise :class:`StoreError` when it is not, or etcd fails."""
         if not self.leading:
             raise StoreError(f"not saving the state of job {self.job_id}: this master does not lead it")
-        revision, candidate = self._leader_revision, self._candidate or ""
-        data = json.dumps(snapshot, separators=(",", ":")).encode()
+        revision, candidate, client = self._leader_revision, self._candidate or "", self._connect()
         try:
-            client = self._connect()
             tx = client.transactions
-            ok, _ = await client.transaction(
-                compare=[
-                    tx.create(self.leader_key) == revision,
-                    tx.value(self.leader_key) == candidate.encode(),
-                ],
-                success=[tx.put(self.state_key, data)],
-                failure=[],
-            )
-        except (aetcd.ClientError, *_TRANSIENT) as exc:
+            fence = [tx.create(self.leader_key) == revision, tx.value(self.leader_key) == candidate.encode()]
+            ok = await self._records.save(client, snapshot, fence)
+        except (aetcd.ClientError, *ec.TRANSIENT) as exc:
             raise StoreError(
-                f"cannot save the state of job {self.job_id} to etcd at {self.endpoint}: {_one_line(exc)}"
+                f"cannot save the state of job {self.job_id} to etcd at {self.endpoint}: {ec.one_line(exc)}"
             ) from None
         if not ok:
             await self._lose("another master holds the leader key now")
@@ -478,7 +383,7 @@ class EtcdStore(StateStore):
     async def leader_hint(self) -> str | None:
         try:
             kv = await self._connect().get(self.leader_key)
-        except (aetcd.ClientError, *_TRANSIENT):
+        except (aetcd.ClientError, *ec.TRANSIENT):
             return None
         return None if kv is None else kv.value.decode(errors="replace")
 

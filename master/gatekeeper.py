@@ -1,5 +1,7 @@
 """The guard in front of ``/v1``: bearer token and job id first (401/409), then the body size (413),
-before routing, so that an unauthenticated client learns nothing about request validation."""
+before routing, so that an unauthenticated client learns nothing about request validation. An address
+that keeps sending wrong tokens is answered 429 at once (:class:`master.rate_limits.PeerFailureLimiter`);
+every refusal closes the connection, so a client without the token holds none open."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from elastic.protocol import (
     MAX_BODY_BYTES,
     ErrorBody,
 )
+from master.rate_limits import PeerFailureLimiter
 
 T = TypeVar("T")
 
@@ -24,8 +27,16 @@ class Gatekeeper:
     the body is read here (at most ``limit`` bytes, also for chunked requests) before the app parses it.
     """
 
-    def __init__(self, app, token: str, job_id: str, limit: int = MAX_BODY_BYTES) -> None:
+    def __init__(
+        self,
+        app,
+        token: str,
+        job_id: str,
+        limit: int = MAX_BODY_BYTES,
+        failures: PeerFailureLimiter | None = None,
+    ) -> None:
         self.app, self.token, self.job_id, self.limit = app, token.encode(), job_id, limit
+        self.failures = failures or PeerFailureLimiter()
 
     def _too_large(self) -> str:
         return f"request body exceeds {self.limit} bytes"
@@ -35,6 +46,16 @@ class Gatekeeper:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         if not secrets.compare_digest(bearer_token(headers.get(b"authorization", b"")), self.token):
+            peer = (scope.get("client") or ("",))[0]
+            if self.failures.blocked(peer):  # a valid token never gets here: only wrong ones are limited
+                return await _reply(
+                    send,
+                    429,
+                    ErrorCode.UNAUTHORIZED,
+                    "too many requests with a wrong bearer token from this address; check --token-file",
+                    extra_headers=[(b"retry-after", str(int(self.failures.window_s)).encode())],
+                )
+            self.failures.record_failure(peer)
             return await _reply(
                 send,
                 401,
@@ -92,6 +113,11 @@ async def _reply(
     send, status: int, code: str, message: str, extra_headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
     body = ErrorBody(error=code, message=message).model_dump_json().encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    # connection: close, so that a refused client holds no keep-alive connection (descriptor) open.
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
     await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
     await send({"type": "http.response.body", "body": body})

@@ -96,8 +96,12 @@ class Job(JobState):
         node.secret_hash = hash_secret(secret)
         self.liveness.beat(req.node_id, now)
         self.rdzv.join(Candidate(req.node_id, req.host, req.nproc, req.store_port, now), now)
-        joined = f"node {req.node_id} ({req.host}, {req.nproc} workers) joined"
-        self.record(now, "node_joined", joined, node=req.node_id)
+        if kind is not JoinKind.REJOIN or was_member:
+            joined = f"node {req.node_id} ({req.host}, {req.nproc} workers) joined"
+            self.record(now, "node_joined", joined, node=req.node_id)
+        # else: the same agent back for the next round (every member, at every membership change). It
+        # reveals nothing new (same secret, same round number), so it is neither an event nor a store
+        # write: a job of N nodes would write N of each per change (the round's close records who came).
         if was_member and self.succeeded:
             why = f"member {req.node_id} restarted after other nodes had finished; cannot restart"
             self.finish(Outcome(succeeded=False, exit_code=EXIT_FAILED, summary=why), now)
@@ -152,9 +156,8 @@ class Job(JobState):
             and (req.term is None or req.term == self.round_term)
             and self.rdzv.is_member(req.node_id)
         )
-        if current_round and node.state != req.state:
+        if current_round:  # soft state: a node's state in its round is never a store write of its own
             node.state, node.round = req.state, req.round
-            self.version += 1
         if current_round and req.state is NodeState.FAILED and self.outcome is None:
             on_failure(self, node, req.failure, now)
         elif current_round and req.node_check is not None and self.outcome is None:

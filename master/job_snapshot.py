@@ -27,8 +27,6 @@ def snapshot_of(job: JobState) -> dict:
                 "node_id": n.node_id,
                 "host": n.host,
                 "nproc": n.nproc,
-                "state": n.state.value,
-                "round": n.round,
                 "failures": n.failures,
                 "secret_hash": n.secret_hash,
             }
@@ -65,12 +63,11 @@ def restore_into(job: JobState, data: dict, now: float) -> None:
         )
     job.rdzv.restore(data["rendezvous"], now)
     for n in data.get("nodes", []):
-        job.nodes[n["node_id"]] = NodeInfo(
-            n["node_id"], n["host"], n["nproc"], NodeState(n["state"]), n["round"], n["failures"]
-        )
+        job.nodes[n["node_id"]] = NodeInfo(n["node_id"], n["host"], n["nproc"], failures=n["failures"])
         # State written before node credentials has no hash: such a node's requests are refused (403)
         # and its agent says so; one never takes over a node by its id alone.
         job.nodes[n["node_id"]].secret_hash = n.get("secret_hash", "")
+    job.rdzv.restrict_expected(job.nodes)  # a forming round expects the previous members still known
     job.restart_count = int(data.get("restart_count", 0))
     job.round_term = int(data.get("round_term", 0))
     job.committed_step = data.get("committed_step")
@@ -90,6 +87,10 @@ def restore_into(job: JobState, data: dict, now: float) -> None:
         data.get("recovery"), current.number if active else None, current.members if active else []
     )
     job.node_check.restore(data.get("node_check"))
+    for node_id, node in job.nodes.items():  # soft state: the first heartbeat tells; until then, the round
+        if active and node_id in current.members:
+            node.round = current.number
+            node.state = NodeState.SUCCEEDED if node_id in job.succeeded else NodeState.RUNNING
     job.flapping.restore(data.get("flapping"))
     for node_id in job.nodes:
         if node_id not in job.succeeded:

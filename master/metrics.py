@@ -109,6 +109,26 @@ def _master_health(service: Any, job_id: str, leading: bool, now: float) -> Iter
         yield _counter(
             "elastic_master_event_log_errors", "Failed writes of --event-log.", event_log.errors, job_id
         )
+    yield from _connection_metrics(getattr(service, "connection_guard", None), job_id)
+
+
+def _connection_metrics(guard: Any, job_id: str) -> Iterator[Metric]:
+    """The connection guard's figures (master.conn_guard), when the master serves with one."""
+    if guard is None:
+        return
+    yield from _gauge("elastic_master_connections", "Connections open now.", guard.open, job_id)
+    yield from _gauge(
+        "elastic_master_connections_max", "Connections served at most (--max-connections).", guard.cap, job_id
+    )
+    closed = CounterMetricFamily(
+        "elastic_master_connections_closed",
+        "Connections the master closed to save descriptors: evicted (sent no request, at the cap), refused "
+        "(503 busy at the cap), timed_out (no request within --header-timeout).",
+        labels=["job_id", "reason"],
+    )
+    for reason, count in guard.closed.items():
+        closed.add_metric([job_id, reason], count)
+    yield closed
 
 
 def _job_metrics(job: Any, job_id: str, now: float) -> Iterator[Metric]:

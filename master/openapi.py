@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from elastic.master_errors import ErrorCode
 from elastic.protocol import API_PREFIX, JOB_HEADER, MAX_BODY_BYTES, NODE_SECRET_HEADER, ErrorBody
+from master.rate_limits import FAILURE_LIMIT, FAILURE_WINDOW_S
 
 #: Name of the security scheme in ``components.securitySchemes``.
 BEARER = "bearerAuth"
@@ -66,8 +67,15 @@ WRONG_JOB = Refusal(409, ErrorCode.WRONG_JOB, f"the `{JOB_HEADER}` header is mis
 TOO_LARGE = Refusal(
     413, ErrorCode.BODY_TOO_LARGE, f"the body is over {MAX_BODY_BYTES} bytes (declared or sent)"
 )
+#: master.rate_limits.PeerFailureLimiter: a valid token is never refused so.
+WRONG_TOKENS = Refusal(
+    429,
+    ErrorCode.UNAUTHORIZED,
+    f"this address sent {FAILURE_LIMIT} requests with a wrong bearer token within {FAILURE_WINDOW_S:g} s: "
+    "refused at once until the window passes",
+)
 #: The gate's refusals, in the order it checks, for every operation under ``/v1``.
-GATE = (UNAUTHORIZED, WRONG_JOB, TOO_LARGE)
+GATE = (UNAUTHORIZED, WRONG_TOKENS, WRONG_JOB, TOO_LARGE)
 
 INVALID = Refusal(
     422, ErrorCode.INVALID_REQUEST, "malformed JSON or a bad field or query parameter (the message names it)"
@@ -184,7 +192,8 @@ def complete(document: dict[str, Any]) -> dict[str, Any]:
                 "scheme": "bearer",
                 "description": "The job's token (`--token-file` or `ELASTIC_TOKEN`). Under /v1 the "
                 "master's gate checks it in constant time before the request is routed or its body "
-                f"parsed: 401 when it is missing or wrong, then 409 when `{JOB_HEADER}` names another "
+                f"parsed: 401 when it is missing or wrong (429 at once after {FAILURE_LIMIT} wrong ones from "
+                f"one address within {FAILURE_WINDOW_S:g} s), then 409 when `{JOB_HEADER}` names another "
                 f"job, then 413 for a body over {MAX_BODY_BYTES} bytes.",
             },
             SESSION: {

@@ -218,7 +218,8 @@ class Rendezvous:
                 "slots": [vars(s) for s in current.slots],
             },
             "joined": [vars(c) for c in self._joined.values()],
-            "expected": sorted(self._expected),
+            # Not "expected": while a round forms it is the previous round's members that are still known
+            # (see restore), so storing it would rewrite every member's id at every membership change.
         }
 
     def restore(self, data: dict, now: float) -> None:
@@ -239,13 +240,21 @@ class Rendezvous:
             )
         )
         self._joined = {c["node_id"]: Candidate(**{**c, "joined_at": now}) for c in data.get("joined", [])}
-        self._expected = set(data.get("expected", []))
+        if "expected" in data:  # written by an older release
+            self._expected = set(data["expected"])
+        else:  # the job narrows it to the nodes it still knows (restrict_expected)
+            forming = self.phase is Phase.OPEN and self.current is not None
+            self._expected = set(self.current.members) if forming else set()
         self.opened_at = now if self.phase is Phase.OPEN else None
         self._min_reached_at = None
         self._growth_since = None
         self._close_why = ""  # not stored: the ACTIVE reason just omits it after a takeover
         self._track_min(now)
         self._track_growth(now)
+
+    def restrict_expected(self, known: Iterable[str]) -> None:
+        """Expect only ``known`` nodes back (after a restore: members removed since are not known)."""
+        self._expected &= set(known)
 
     # -- decisions --------------------------------------------------------------------------------
     def _decide_open(self, now: float) -> Decision:

@@ -10,7 +10,7 @@ from elastic.protocol import (
 from master.job_events import SCALE_UP
 from master.job_progress import update_committed_step
 from master.job_state import EXIT_FAILED, JobState
-from master.rendezvous import Phase
+from master.rendezvous import Phase, name_list
 
 
 def open_round(
@@ -65,7 +65,7 @@ def advance(job: JobState, now: float) -> None:
         open_round(
             job,
             now,
-            f"admitting waiting nodes {', '.join(rdzv.waiting)}",
+            f"admitting waiting nodes {name_list(rdzv.waiting)}",
             counted=False,
             cause=SCALE_UP,
             began_at=min((t for t in joined if t is not None), default=now),
@@ -94,14 +94,14 @@ def advance(job: JobState, now: float) -> None:
             for slot in closed.slots:
                 job.nodes[slot.node_id].state = NodeState.STARTING
                 job.nodes[slot.node_id].round = closed.number
-            waiting = f"; waiting: {', '.join(rdzv.waiting)}" if rdzv.waiting else ""
+            waiting = f"; waiting: {name_list(rdzv.waiting)}" if rdzv.waiting else ""
             if not job.is_check_round(closed.number):  # a check round trains nothing
                 job.recovery.round_closed(closed.number, closed.members, now)
             job.record(
                 now,
                 "round_closed",
                 f"round {closed.number} closed: {len(closed.slots)} nodes, world size "
-                f"{closed.world_size}, members {', '.join(closed.members)} (term {job.round_term}){waiting}",
+                f"{closed.world_size}, members {name_list(closed.members)} (term {job.round_term}){waiting}",
                 round=closed.number,
                 data={"world_size": closed.world_size, "nnodes": len(closed.slots), "term": job.round_term},
             )

@@ -21,6 +21,17 @@ from elastic.protocol import (
     LONG_POLL_CAP_S,
 )
 from elastic.tls import server_context
+from master.conn_guard import (
+    LISTEN_BACKLOG,
+    ConnectionGuard,
+    accept_batch,
+    guarded_protocol,
+    install_log_filter,
+    loop_exception_handler,
+    raise_open_file_limit,
+    resolve_cap,
+    tls_handshake_timeout,
+)
 from master.server import create_app
 from master.service import MasterService
 from master.settings import ServerSettings
@@ -45,7 +56,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    sock.listen(2048)
+    sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(False)
     return sock
 
@@ -64,7 +75,17 @@ class _MasterServer(uvicorn.Server):
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        # A failed accept() (out of descriptors) is one rate-limited line, not a traceback a second.
+        self._loop.set_exception_handler(loop_exception_handler)
         await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        with tls_handshake_timeout(asyncio.get_running_loop(), self.service.settings.header_timeout_s):
+            await super().startup(sockets)
+        # asyncio listened with the small accept batch (``Config.backlog``, master.conn_guard.accept_batch):
+        # the kernel's queue goes back to its full length, the batch asyncio accepts per wake-up stays.
+        for sock in sockets or []:
+            sock.listen(LISTEN_BACKLOG)
 
     def _exit(self) -> None:
         self.should_exit = True
@@ -87,8 +108,16 @@ def _uvicorn_server(app: FastAPI, settings: ServerSettings, service: MasterServi
     """A uvicorn server for ``app``; https when ``settings`` name a certificate and key.
 
     Raises :class:`elastic.tls.TLSConfigError` when they cannot be used."""
+    install_log_filter()
+    limit = raise_open_file_limit()
+    cap = resolve_cap(limit, settings.max_connections)
+    guard = ConnectionGuard(cap, settings.header_timeout_s)
+    service.connection_guard = guard  # its figures on /metrics
     config = uvicorn.Config(
         app,
+        # uvicorn's h11 protocol with the connection cap and the first-request timeout (master.conn_guard)
+        http=guarded_protocol(guard),
+        backlog=accept_batch(limit.soft),  # bounds the descriptors accepted but not yet admitted
         log_level="warning",
         access_log=False,
         lifespan="on",

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from elastic.job_settings import JobSettings
 
+#: Default ``--header-timeout`` (docs/operations.md, "Open files and connections").
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -26,4 +29,9 @@ class ServerSettings:
     event_log_backups: int = 3
     #: ``--metrics-port``: a second listener (same host, token and TLS) serving only ``/metrics``.
     metrics_port: int | None = None
+    #: ``--max-connections``: connections served at once; None: derived from the open-file limit
+    #: (master.conn_guard.connection_cap).
+    max_connections: int | None = None
+    #: ``--header-timeout``: seconds a new connection has to send its first request head.
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     extra: dict[str, str] = field(default_factory=dict)

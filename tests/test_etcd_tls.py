@@ -14,6 +14,7 @@ removed at the end of the module.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -40,6 +41,8 @@ from test_master_failover_e2e import (
     steps_of,
     train_args,
 )
+
+from master import etcd_layout
 
 pytestmark = pytest.mark.etcd
 launch = e2e.launch  # the fixture: every process tree a test launches is killed at its teardown
@@ -122,6 +125,18 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: st
     for needle in needles:
         assert needle in line, f"{needle!r} not in {line!r}"
     return line
+
+
+def stored_state(server: EtcdServer, job: str) -> dict:
+    """The job's state as the master stored it (records under its prefix, master/etcd_layout.py)."""
+    prefix = f"/elastic/{job}/"
+    reply = json.loads(server.must("get", "--prefix", prefix, "-w", "json"))
+    records = {
+        base64.b64decode(kv["key"]).decode()[len(prefix) :]: base64.b64decode(kv["value"])
+        for kv in reply.get("kvs", [])
+    }
+    records.pop("leader", None)
+    return etcd_layout.decode(records)
 
 
 # -- etcd's side: TLS with client certificates ----------------------------------------------------------
@@ -234,6 +249,6 @@ def test_the_standby_takes_over_through_its_proxy_and_training_goes_on(
     assert_uninterrupted_training(agents, steps)
     assert_no_false_verdicts(masters[1 - lead])
     # The job's state went through the proxies into the TLS etcd, under the job's prefix.
-    state = json.loads(secure_etcd.server.must("get", f"/elastic/{JOB}/state", "--print-value-only"))
+    state = stored_state(secure_etcd.server, JOB)
     assert state["job_id"] == JOB and {n["node_id"] for n in state["nodes"]} == {"node-0", "node-1"}, state
     job.shut_down()

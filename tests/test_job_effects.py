@@ -158,3 +158,23 @@ def test_a_round_closed_by_a_new_leader_gets_the_new_term():
     again.tick(1.7)
     assignment = calls.next_round(again, "a", 1).assignment
     assert (assignment.term, assignment.round) == (4, 2)
+
+
+def test_a_round_forming_at_a_takeover_still_waits_for_the_previous_members_still_known():
+    """The expected members of a forming round are not stored (they would rewrite every member's id at every
+    change): a master taking over derives them from the previous round's members it still knows."""
+    job = make_job(min_nodes=1, max_nodes=3, max_restarts=3)
+    running(job, 0.0, "a", "b", "c")
+    beat(job, "a", 1.0)
+    beat(job, "b", 1.0)
+    beat(job, "c", 1.0, state=NodeState.FAILED, failure=crash())  # round 2 opens, expecting a, b and c
+    calls.leave(job, "c", "preempted", 1.1)  # c is gone for good
+    assert "expected" not in job.snapshot()["rendezvous"]
+    again = calls.restored(job, Job.restore(job.settings, job.snapshot(), 1.2, "m2", term=2))
+    join(again, 1.3, "a")
+    reason = again.rdzv.decide(1.4).reason
+    assert "waiting for member b to rejoin" in reason, reason
+    join(again, 1.5, "b")
+    again.tick(1.6)
+    assignment = calls.next_round(again, "a", 1).assignment
+    assert assignment is not None and assignment.members == ["a", "b"], "every member still known came back"

@@ -91,13 +91,15 @@ def test_every_operation_lists_every_status_with_the_error_body_and_the_bearer_s
             assert "security" not in operation  # the document's bearer scheme applies
             job = next(p for p in operation["parameters"] if p["name"] == JOB_HEADER)
             assert job["required"] is True
-            assert {"401", "409", "413", "503"} <= set(responses), f"{method} {path}"
+            assert {"401", "409", "413", "429", "503"} <= set(responses), f"{method} {path}"
         else:
             assert JOB_HEADER.lower() not in names  # only the gate reads it
     node_api = {"round": "get", "heartbeat": "post", "watch": "get", "leave": "post"}
     for name, method in node_api.items():
         operation = document["paths"][f"{API_PREFIX}/{name}"][method]
-        assert {"200", "401", "403", "404", "409", "413", "422", "503"} == set(operation["responses"]), name
+        assert {"200", "401", "403", "404", "409", "413", "422", "429", "503"} == set(
+            operation["responses"]
+        ), name
         assert NODE_SECRET_HEADER in {p["name"] for p in operation["parameters"]}
     join = document["paths"][f"{API_PREFIX}/join"]["post"]["responses"]["409"]["content"]["application/json"]
     assert join["schema"]["allOf"][1]["properties"]["error"]["enum"] == [
@@ -126,8 +128,9 @@ def test_the_live_document_is_the_completed_one_and_needs_no_token(master: Embed
 
 def test_each_refusal_the_document_lists_for_the_node_api_is_real(master: EmbeddedMaster):
     """Provoke every (status, code) the document lists for /v1 (but 503 not_leader, which needs a standby,
-    see tests/test_master_failover_e2e.py) and check the reply's code is one the document lists for that
-    status. node_excluded: a node that flaps (--flap-limit 1) out of the job."""
+    see tests/test_master_failover_e2e.py, and 429 after 20 wrong tokens, tests/test_conn_guard.py) and
+    check the reply's code is one the document lists for that status. node_excluded: a node that flaps
+    (--flap-limit 1) out of the job."""
     document = FastAPI.openapi(app())
     document = complete(document)
     seen: dict[tuple[str, str], set[tuple[int, str]]] = {}
@@ -213,7 +216,7 @@ def test_each_refusal_the_document_lists_for_the_node_api_is_real(master: Embedd
         if not gated(path):
             continue
         row = describe(method, path)
-        listed = {(r.status, r.code) for r in row.refusals} - {(503, "not_leader")}
+        listed = {(r.status, r.code) for r in row.refusals} - {(503, "not_leader"), (429, "unauthorized")}
         got = {(status, code) for status, code in seen[(method, path)] if status != 200}
         assert got == listed, f"{method} {path}: provoked {sorted(got)}, the document lists {sorted(listed)}"
         assert (200, "") in seen[(method, path)], f"{method} {path} never succeeded"

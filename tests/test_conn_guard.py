@@ -1,0 +1,263 @@
+"""The master's front door against descriptor exhaustion (master.conn_guard, master.rate_limits): the pure
+limiters with a fake clock, then a real ``EmbeddedMaster`` on 127.0.0.1 over raw sockets: the first-request
+timeout, a request in flight that outlives it, the connection cap, and the per-address 429 after repeated
+wrong tokens that never touches a valid token."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from certs import LOCAL_NAMES, CertAuthority
+from e2e import wait_until
+
+from elastic.job_settings import JobSettings
+from elastic.master_errors import Disposition, ErrorCode, disposition
+from elastic.protocol import JOB_HEADER
+from master.conn_guard import ResourceLogFilter, connection_cap
+from master.rate_limits import LogLimiter, PeerFailureLimiter
+from master.serving import EmbeddedMaster
+from master.settings import ServerSettings
+
+TOKEN = "guard-token"
+JOB_ID = "job-guard"
+AUTH = {"Authorization": f"Bearer {TOKEN}", JOB_HEADER: JOB_ID}
+HEADER_TIMEOUT_S = 0.5
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- pure parts ----------------------------------------------------------------------------------------
+def test_an_address_is_blocked_after_the_limit_of_wrong_tokens_within_the_window_and_free_after() -> None:
+    clock = FakeClock()
+    limiter = PeerFailureLimiter(limit=3, window_s=10.0, clock=clock)
+    for _ in range(2):
+        limiter.record_failure("10.0.0.1")
+    assert not limiter.blocked("10.0.0.1")
+    limiter.record_failure("10.0.0.1")
+    assert limiter.blocked("10.0.0.1")
+    assert not limiter.blocked("10.0.0.2")  # per address
+    clock.now += 10.0  # the window slid past every failure
+    assert not limiter.blocked("10.0.0.1")
+
+
+def test_failures_spread_wider_than_the_window_never_block() -> None:
+    clock = FakeClock()
+    limiter = PeerFailureLimiter(limit=3, window_s=10.0, clock=clock)
+    for _ in range(10):
+        limiter.record_failure("10.0.0.1")
+        assert not limiter.blocked("10.0.0.1")
+        clock.now += 5.0  # two per window at most
+
+
+def test_the_limiter_tracks_a_bounded_number_of_addresses() -> None:
+    limiter = PeerFailureLimiter(limit=1, window_s=10.0, clock=FakeClock(), max_peers=2)
+    for peer in ("a", "b", "c"):
+        limiter.record_failure(peer)
+    assert not limiter.blocked("a")  # forgotten: the least recently failing
+    assert limiter.blocked("b") and limiter.blocked("c")
+
+
+def test_the_log_limiter_admits_one_line_per_interval_with_the_count_it_suppressed() -> None:
+    clock = FakeClock()
+    limiter = LogLimiter(interval_s=30.0, clock=clock)
+    assert limiter.admit() == 0
+    assert [limiter.admit() for _ in range(5)] == [None] * 5
+    clock.now += 29.9
+    assert limiter.admit() is None
+    clock.now += 0.1
+    assert limiter.admit() == 6
+    assert limiter.admit() is None
+
+
+def test_the_log_filter_passes_one_descriptor_error_per_interval_without_its_traceback() -> None:
+    clock = FakeClock()
+    log_filter = ResourceLogFilter(LogLimiter(interval_s=30.0, clock=clock))
+
+    def record(exc: BaseException | None) -> logging.LogRecord:
+        exc_info = (type(exc), exc, None) if exc else None
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "accept failed", None, exc_info)
+
+    emfile = OSError(errno.EMFILE, "Too many open files")
+    first = record(emfile)
+    assert log_filter.filter(first) and first.exc_info is None
+    assert "Too many open files" in first.getMessage()
+    assert not any(log_filter.filter(record(emfile)) for _ in range(100))
+    assert log_filter.filter(record(OSError(errno.ECONNRESET, "reset")))  # other errors pass
+    assert log_filter.filter(record(None))
+    clock.now += 30.0
+    later = record(emfile)
+    assert log_filter.filter(later)
+    assert "100 more" in later.getMessage()
+
+
+def test_the_cap_leaves_descriptors_for_the_master_itself() -> None:
+    assert connection_cap(1024) == 1024 - 64 - 4 * 32  # the reserve, and four accept batches of 1/32
+    assert connection_cap(1 << 20) == (1 << 20) - 64 - 4 * 2048
+    assert connection_cap(20) == 16
+
+
+def test_busy_and_a_repeated_wrong_token_are_in_the_error_table() -> None:
+    assert disposition(503, ErrorCode.BUSY) is Disposition.RETRY
+    assert disposition(429, ErrorCode.UNAUTHORIZED) is Disposition.FINAL  # retrying cannot fix the token
+
+
+# -- a real master -------------------------------------------------------------------------------------
+@pytest.fixture
+def start_master() -> Iterator:
+    before = set(threading.enumerate())
+    masters: list[EmbeddedMaster] = []
+
+    def start(**settings) -> EmbeddedMaster:
+        job = JobSettings(job_id=JOB_ID, min_nodes=2, max_nodes=2)
+        values = dict(header_timeout_s=HEADER_TIMEOUT_S) | settings
+        master = EmbeddedMaster(ServerSettings(job=job, token=TOKEN, host="127.0.0.1", port=0, **values))
+        masters.append(master.start())
+        return master
+
+    yield start
+    for master in masters:
+        master.stop()
+    wait_until(lambda: not set(threading.enumerate()) - before, 10, "the master's threads to end")
+
+
+def connect(master: EmbeddedMaster) -> socket.socket:
+    return socket.create_connection((master.host, master.port), timeout=10)
+
+
+def closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    """Whether the peer closes ``sock`` within ``timeout`` (EOF or a reset), reading whatever it sent."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def request(path: str, headers: dict[str, str]) -> bytes:
+    lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return f"GET {path} HTTP/1.1\r\nHost: master\r\n{lines}\r\n".encode()
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_that_sends_no_request_is_closed_after_the_header_timeout(start_master) -> None:
+    master = start_master()
+    with connect(master) as idle, connect(master) as partial:
+        partial.sendall(b"GET /v1/status HTTP/1.1\r\nHost: ma")  # an incomplete head counts as none
+        start = time.monotonic()
+        assert closed_by_peer(idle, HEADER_TIMEOUT_S + 10)
+        assert closed_by_peer(partial, HEADER_TIMEOUT_S + 10)
+        assert time.monotonic() - start >= HEADER_TIMEOUT_S * 0.9
+    metrics = httpx.get(f"http://{master.address}/metrics", headers=AUTH, timeout=10).text
+    assert f'elastic_master_connections_closed_total{{job_id="{JOB_ID}",reason="timed_out"}} 2.0' in metrics
+    assert f'elastic_master_connections{{job_id="{JOB_ID}"}} 1.0' in metrics  # this scrape's own
+
+
+def read_reply(sock: socket.socket, timeout: float) -> bytes:
+    """One whole HTTP reply (head and ``content-length`` body): a reply may arrive in several segments."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+@pytest.mark.timeout(60)
+def test_a_request_in_flight_is_not_cut_by_the_header_timeout(start_master) -> None:
+    """A request whose head arrived but whose body is still coming is in flight (as a long-poll is): it is
+    served when it completes, however long after the header timeout (a readmit of a node the job does not
+    know: 404 from the job itself)."""
+    master = start_master()
+    with connect(master) as sock:
+        body = b'{"node_id": "a"}'
+        head = (
+            "POST /v1/nodes/a/readmit HTTP/1.1\r\nHost: master\r\ncontent-type: application/json\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in AUTH.items())
+            + f"content-length: {len(body)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + body[:5])
+        assert not closed_by_peer(sock, HEADER_TIMEOUT_S * 4)
+        sock.sendall(body[5:])
+        reply = read_reply(sock, 10)
+    assert reply.startswith(b"HTTP/1.1 404") and b"unknown_node" in reply  # answered by the job itself
+
+
+@pytest.mark.timeout(60)
+def test_beyond_the_cap_the_oldest_idle_connection_makes_room_and_busy_ones_get_503(start_master) -> None:
+    master = start_master(max_connections=2, header_timeout_s=30.0)
+    first = connect(master)
+    second = connect(master)
+    first.sendall(request("/v1/status", AUTH))
+    first.settimeout(10)
+    assert first.recv(4096).startswith(b"HTTP/1.1 200")  # served, then held open (keep-alive): busy
+    with connect(master) as third:  # the cap: second, which sent nothing, is closed for it
+        assert closed_by_peer(second, 10)
+        third.sendall(request("/v1/status", AUTH))
+        third.settimeout(10)
+        assert third.recv(4096).startswith(b"HTTP/1.1 200")
+        with connect(master) as fourth:  # every connection has had a request: no room
+            reply = read_reply(fourth, 10)
+            assert reply.startswith(b"HTTP/1.1 503") and b'"busy"' in reply
+    first.close()
+    second.close()
+
+
+@pytest.mark.timeout(60)
+def test_repeated_wrong_tokens_from_an_address_get_429_but_a_valid_token_is_never_limited(
+    start_master,
+) -> None:
+    master = start_master()
+    wrong = {"Authorization": "Bearer nope", JOB_HEADER: JOB_ID}
+    base = f"http://{master.address}"
+    statuses = [httpx.get(f"{base}/v1/status", headers=wrong, timeout=10) for _ in range(25)]
+    codes = [r.status_code for r in statuses]
+    assert codes[:20] == [401] * 20 and codes[20:] == [429] * 5, codes
+    assert statuses[-1].json()["error"] == "unauthorized"
+    assert all(r.headers["connection"] == "close" for r in statuses)
+    assert httpx.get(f"{base}/v1/status", headers=AUTH, timeout=10).status_code == 200
+
+
+@pytest.mark.timeout(60)
+def test_under_tls_a_connection_that_never_shakes_hands_is_closed_after_the_header_timeout(
+    start_master, tmp_path
+) -> None:
+    """A TLS connection still in its handshake has no HTTP protocol yet: the handshake gets the same time."""
+    cert, key = CertAuthority.create("guard CA").issue_files(
+        tmp_path, "server", "elastic-master", LOCAL_NAMES
+    )
+    master = start_master(tls_cert=str(cert), tls_key=str(key))
+    with connect(master) as silent:
+        assert closed_by_peer(silent, HEADER_TIMEOUT_S + 10)
