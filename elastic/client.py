@@ -32,6 +32,8 @@ from elastic.protocol import (
     API_PREFIX,
     JOB_HEADER,
     NODE_SECRET_HEADER,
+    PROTOCOL_HEADER,
+    PROTOCOL_VERSION,
     CommandReply,
     HeartbeatRequest,
     JobInfo,
@@ -96,7 +98,12 @@ class MasterClient:
         self._tls = client_context(tls_ca) if tls_ca else None
         self._scheme = "https" if self._tls else "http"
         self.job_id = job_id
-        self._headers = {"Authorization": f"Bearer {token}", JOB_HEADER: job_id}
+        # The protocol revision: a newer master then includes what this client knows (master.wire_compat).
+        self._headers = {
+            "Authorization": f"Bearer {token}",
+            JOB_HEADER: job_id,
+            PROTOCOL_HEADER: str(PROTOCOL_VERSION),
+        }
         # Node id -> the secret of the incarnation this client joined as: in memory only, never stored or
         # passed on (master.credentials); sent on every request for that node.
         self._secrets: dict[str, str] = {}

@@ -2,7 +2,7 @@
 
 Standard library only: the worker library (:mod:`elastic.report`, :mod:`elastic.checkpoint`), the agent
 and the warm-start zygote all read it. docs/protocol.md ("Worker environment", "Progress datagram")
-lists the same names; ``tests/test_contract_docs.py`` fails when the two differ.
+lists the same names; ``tests/unit/test_contract_docs.py`` fails when the two differ.
 
 The datagram's wire form is one compact JSON object with one-letter keys (it must fit one small Unix
 datagram and be cheap to build on every training step); :class:`Progress` is its typed form, and the

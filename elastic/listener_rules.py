@@ -123,7 +123,8 @@ REPLICATION = Listener(
 )
 
 #: Every listener kind of elastic-run (docs/security.md's table names each). A listener is defined here,
-#: never elsewhere: tests/test_listener_rules.py fails for a ``Listener`` defined outside this table.
+#: never elsewhere: tests/unit/elastic/test_listener_rules.py fails for a ``Listener`` defined outside this
+#: table.
 LISTENERS: tuple[Listener, ...] = (MASTER_API, MASTER_METRICS, AGENT_METRICS, REPLICATION, TCPSTORE)
 
 

@@ -22,6 +22,13 @@ API_PREFIX = "/v1"
 JOB_HEADER = "X-Elastic-Job"
 #: The secret of the node incarnation a request acts for (``JoinReply.node_secret``).
 NODE_SECRET_HEADER = "X-Elastic-Node-Secret"
+#: The wire protocol revision a client speaks; absent means 1. Revision 2 adds round terms
+#: (``Assignment.term``, ``CommandReply.term``) and the flapping fields of ``NodeStatus``. A master leaves
+#: out of its replies the fields a client's revision does not know: agents of the previous release refuse
+#: unknown fields in replies (this release ignores them, see :class:`_Reply`), and masters are upgraded
+#: while such agents train (docs/operations.md, rolling upgrade).
+PROTOCOL_HEADER = "X-Elastic-Protocol"
+PROTOCOL_VERSION = 2
 MAX_BODY_BYTES = 64 * 1024
 #: Upper bound for any long-poll the master serves; clients ask for less and loop.
 LONG_POLL_CAP_S = 30.0
@@ -48,6 +55,11 @@ def valid_host(text: str) -> bool:
 class _Model(BaseModel):
     # Unknown fields are rejected so that typos in requests surface as 422 instead of being ignored.
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Reply(BaseModel):
+    # A reply may carry fields of a newer master: ignored, so that agents keep working across upgrades.
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
 class NodeState(str, Enum):
@@ -136,7 +148,7 @@ class JoinRequest(_Model):
         return host
 
 
-class JoinReply(_Model):
+class JoinReply(_Reply):
     round: int = Field(description="The round the node now waits for (the master's next round).")
     master_id: str
     node_secret: str = Field(
@@ -145,7 +157,7 @@ class JoinReply(_Model):
     )
 
 
-class Assignment(_Model):
+class Assignment(_Reply):
     """A node's place in a closed rendezvous round."""
 
     round: int
@@ -173,7 +185,7 @@ class Assignment(_Model):
     )
 
 
-class Outcome(_Model):
+class Outcome(_Reply):
     """How the job ended."""
 
     succeeded: bool
@@ -181,7 +193,7 @@ class Outcome(_Model):
     summary: str = ""
 
 
-class RoundReply(_Model):
+class RoundReply(_Reply):
     """Reply of the long-poll for the next round."""
 
     status: str = Field(description="assigned | waiting | finished")
@@ -235,7 +247,7 @@ class HeartbeatRequest(_Model):
     replication_error: str = Field(default="", max_length=PERSIST_ERROR_MAX)
 
 
-class CommandReply(_Model):
+class CommandReply(_Reply):
     command: Command
     round: int = Field(description="The master's current round number.")
     term: int = Field(default=0, ge=0, description="The term of the master's current round.")
@@ -253,7 +265,7 @@ class LeaveRequest(_Model):
     reason: str = Field(default="", max_length=1024)
 
 
-class JobInfo(_Model):
+class JobInfo(_Reply):
     """Settings an agent must agree with; served at ``GET /v1/info``."""
 
     job_id: str
@@ -269,7 +281,7 @@ class JobInfo(_Model):
     node_check: str = "off"
 
 
-class NodeStatus(_Model):
+class NodeStatus(_Reply):
     node_id: str
     rank: int | None
     state: str
@@ -295,14 +307,14 @@ class NodeStatus(_Model):
     )
 
 
-class ReadmitReply(_Model):
+class ReadmitReply(_Reply):
     """``POST /v1/nodes/{node_id}/readmit``: the node's flapping exclusion is lifted."""
 
     node_id: str
     message: str
 
 
-class StatusEvent(_Model):
+class StatusEvent(_Reply):
     """One of the job's recent events, as ``/v1/status`` shows it."""
 
     seq: int = Field(description="1 for the job's first event, then one more per event.")
@@ -311,7 +323,7 @@ class StatusEvent(_Model):
     message: str
 
 
-class JobStatus(_Model):
+class JobStatus(_Reply):
     job_id: str
     master_id: str
     phase: str
@@ -341,7 +353,7 @@ class JobStatus(_Model):
     )
 
 
-class ErrorBody(_Model):
+class ErrorBody(_Reply):
     error: str
     message: str
 

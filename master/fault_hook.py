@@ -1,6 +1,6 @@
 """The master's test hook (the only one): ``ELASTIC_MASTER_TICK_FAULT_S=D`` makes the tick raise
 :class:`InjectedFault` once this master has led for ``D`` seconds, to check from outside that a crash
-in a background task resigns the leadership and exits non-zero (tests/test_master_stepdown_e2e.py).
+in a background task resigns the leadership and exits non-zero (tests/e2e/test_master_stepdown_e2e.py).
 Read once by the CLI; documented in docs/operations.md."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ bearer scheme, and the required ``X-Elastic-Job`` header. :func:`install` makes 
 document at ``/openapi.json``, built once on the first request.
 
 A route that :data:`OPERATIONS` does not list still gets the refusals its path implies (the gate's under
-``/v1``), but ``tests/test_openapi.py`` fails until it has a row of its own.
+``/v1``), but ``tests/integration/test_openapi.py`` fails until it has a row of its own.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ NO_SESSION = Refusal(401, ErrorCode.UNAUTHORIZED, "no valid session cookie: log 
 TO_LOGIN = Answer(303, "not signed in: a redirect to the login form", headers=("Location",))
 _NODE = (INVALID, UNKNOWN_NODE, BAD_NODE_SECRET, NOT_LEADER)
 
-#: Every operation of the master. A route missing here is found by tests/test_openapi.py.
+#: Every operation of the master. A route missing here is found by tests/integration/test_openapi.py.
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", f"{API_PREFIX}/info"): Operation((NOT_LEADER,)),
     ("post", f"{API_PREFIX}/join"): Operation(

@@ -20,6 +20,8 @@ from elastic.protocol import (
     JOB_HEADER,
     LONG_POLL_CAP_S,
     NODE_SECRET_HEADER,
+    PROTOCOL_HEADER,
+    PROTOCOL_VERSION,
     CommandReply,
     ErrorBody,
     HeartbeatRequest,
@@ -38,6 +40,7 @@ from master.metrics import MetricsPortOnly, add_metrics_route
 from master.openapi import install as install_openapi
 from master.service import MasterService
 from master.ui import install_ui
+from master.wire_compat import for_client, revision
 
 log = logging.getLogger("elastic.master")
 T = TypeVar("T")
@@ -50,6 +53,15 @@ NodeSecret = Annotated[
     Header(
         alias=NODE_SECRET_HEADER,
         description="The node's secret from its join reply; required for a node that has joined.",
+    ),
+]
+#: The protocol revision of the client (``X-Elastic-Protocol``; absent: 1): master.wire_compat.
+ClientProtocol = Annotated[
+    str | None,
+    Header(
+        alias=PROTOCOL_HEADER,
+        description=f"The client's protocol revision (absent: 1; this release: {PROTOCOL_VERSION}). A "
+        "master leaves out of its replies the fields an older revision does not know.",
     ),
 ]
 
@@ -170,6 +182,7 @@ def create_app(service: MasterService) -> FastAPI:
         after: Annotated[int, Query(ge=0)] = 0,
         timeout: Annotated[float, Query(ge=0, le=LONG_POLL_CAP_S)] = 10.0,
         node_secret: NodeSecret = None,
+        protocol: ClientProtocol = None,
     ) -> RoundReply:
         reply = await service.long_poll(
             lambda: job().next_round(node_id, after, node_secret),
@@ -177,12 +190,16 @@ def create_app(service: MasterService) -> FastAPI:
             request,
             lambda: lost(node_id, node_secret),
         )
-        return reply or await stored(RoundReply(status="waiting", round=job().rdzv.round))
+        reply = reply or await stored(RoundReply(status="waiting", round=job().rdzv.round))
+        return for_client(reply, revision(protocol))
 
     @app.post(f"{API_PREFIX}/heartbeat")
-    async def heartbeat(req: HeartbeatRequest, node_secret: NodeSecret = None) -> CommandReply:
+    async def heartbeat(
+        req: HeartbeatRequest, node_secret: NodeSecret = None, protocol: ClientProtocol = None
+    ) -> CommandReply:
         service.health.heartbeat(service.clock())
-        return await stored(mutate(lambda: job().heartbeat(req, service.clock(), node_secret)))
+        reply = await stored(mutate(lambda: job().heartbeat(req, service.clock(), node_secret)))
+        return for_client(reply, revision(protocol))
 
     @app.get(f"{API_PREFIX}/watch")
     async def watch(
@@ -192,6 +209,7 @@ def create_app(service: MasterService) -> FastAPI:
         timeout: Annotated[float, Query(ge=0, le=LONG_POLL_CAP_S)] = 10.0,
         term: Annotated[int | None, Query(ge=0)] = None,
         node_secret: NodeSecret = None,
+        protocol: ClientProtocol = None,
     ) -> CommandReply:
         """Long-poll: returns as soon as the node must do something other than continue. ``term``: the
         term of the node's round (its assignment's); omitted by agents that predate terms."""
@@ -201,16 +219,19 @@ def create_app(service: MasterService) -> FastAPI:
             return None if reply.command.value == "continue" else reply
 
         reply = await service.long_poll(probe, timeout, request, lambda: lost(node_id, node_secret))
-        return reply or await stored(job().watch(node_id, round, node_secret, term))
+        reply = reply or await stored(job().watch(node_id, round, node_secret, term))
+        return for_client(reply, revision(protocol))
 
     @app.post(f"{API_PREFIX}/leave")
-    async def leave(req: LeaveRequest, node_secret: NodeSecret = None) -> CommandReply:
+    async def leave(
+        req: LeaveRequest, node_secret: NodeSecret = None, protocol: ClientProtocol = None
+    ) -> CommandReply:
         mutate(lambda: job().leave(req.node_id, req.reason, service.clock(), node_secret))
-        return await stored(job().command_for(req.node_id, 0))
+        return for_client(await stored(job().command_for(req.node_id, 0)), revision(protocol))
 
     @app.get(f"{API_PREFIX}/status")
-    async def status() -> JobStatus:
-        return job().status(service.clock())
+    async def status(protocol: ClientProtocol = None) -> JobStatus:
+        return for_client(job().status(service.clock()), revision(protocol))
 
     @app.post(f"{API_PREFIX}/nodes/{{node_id}}/readmit")
     async def readmit(node_id: Annotated[str, Path(min_length=1, max_length=128)]) -> ReadmitReply:

@@ -10,7 +10,7 @@
 set -euo pipefail
 
 # One line per tool: the command tests look for, then the Debian package that ships it.
-# Add a line here when a test starts to need a system tool (tests/tools.py: require_tool()).
+# Add a line here when a test starts to need a system tool (tests/support/tools.py: require_tool()).
 TOOLS="
 unshare util-linux
 prometheus prometheus

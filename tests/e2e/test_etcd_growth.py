@@ -1,0 +1,42 @@
+"""A short bench/etcd_growth.py (issue 15, check 5): a real etcd, a real master, 20 and 200 fake nodes,
+five membership changes each. etcd's state stays bounded: every value small, the database small, steady
+heartbeats write nothing; and a change at 200 nodes should write at most 1.5 times what it writes at 20."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from bench_runs import run_bench
+
+pytestmark = [pytest.mark.etcd, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def growth(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    """The bench's figures at 20 and at 200 nodes."""
+    folder = tmp_path_factory.mktemp("growth")
+    out = folder / "growth.json"
+    argv = ["bench/etcd_growth.py", "--nodes", "20,200", "--changes", "5", "--steady-s", "5"]
+    proc, left = run_bench([*argv, "--json", str(out), "--workdir", str(folder / "work")], timeout=560)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not left, f"processes left behind by bench/etcd_growth.py: {left}"
+    small, large = json.loads(Path(out).read_text())
+    return small, large
+
+
+@pytest.mark.timeout(600)
+def test_etcd_state_stays_bounded_and_steady_heartbeats_write_nothing(growth: tuple[dict, dict]) -> None:
+    for r in growth:
+        assert r["ok"], r
+        assert r["steady_revisions"] == 0, r
+        assert r["largest_value"] < 64 * 1024, r
+        assert r["db_size"] < 64 * 2**20, r
+
+
+@pytest.mark.timeout(600)
+def test_a_membership_change_writes_about_as_much_at_200_nodes_as_at_20(growth: tuple[dict, dict]) -> None:
+    small, large = growth
+    ratio = large["median_bytes_per_change"] / small["median_bytes_per_change"]
+    assert ratio <= 1.5, (ratio, small, large)

@@ -1,0 +1,474 @@
+"""Tests of the agent's local worker group, with real worker processes.
+
+Every process a test starts is recorded and SIGKILLed by PID at teardown if it is still alive, so a failing
+test leaves nothing behind.
+"""
+
+import contextlib
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from e2e import gone, wait_until
+
+from agent.errors_file import message_from_stderr, read_error_file
+from agent.reaper import Reaper
+from agent.workers import WorkerExit, WorkerGroup, WorkerGroupError, WorkerSpec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BASE_ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONUNBUFFERED": "1"}
+
+
+# -- helpers ----------------------------------------------------------------------------------------------
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def spec_for(argv: list[str], nprocs: int = 1, **kwargs: object) -> WorkerSpec:
+    envs = [{**BASE_ENV, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nprocs)]
+    return WorkerSpec(argv=argv, envs=envs, global_ranks=list(range(nprocs)), **kwargs)  # type: ignore[arg-type]
+
+
+def read_pid(path: Path) -> int:
+    wait_until(lambda: path.exists() and path.read_text().strip().isdigit(), 10, f"pid file {path}")
+    return int(path.read_text())
+
+
+def next_exit(group: WorkerGroup, timeout: float = 10.0) -> WorkerExit:
+    exit_ = group.wait_exit(timeout)
+    assert exit_ is not None, f"no worker exit within {timeout}s"
+    return exit_
+
+
+@pytest.fixture
+def leftovers() -> Iterator[list[int]]:
+    """PIDs to SIGKILL at teardown if a test did not see them end."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        if not gone(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def group(leftovers: list[int]) -> Iterator[WorkerGroup]:
+    g = WorkerGroup()
+    yield g
+    leftovers.extend(g.pids)
+    g.close()
+
+
+# -- output and exits ---------------------------------------------------------------------------------------
+WORKER_PRINTS_AND_EXITS = """
+    import os, sys, time
+    rank = os.environ["RANK"]
+    print(f"hello from {rank}")
+    print(f"warning from {rank}", file=sys.stderr)
+    sys.stdout.flush(); sys.stderr.flush()
+    with open(os.environ["STAMP_DIR"] + f"/exit{rank}", "w") as f:
+        f.write(repr(time.monotonic()))
+    os._exit(int(os.environ["CODE"]))
+"""
+
+
+@pytest.mark.timeout(30)
+def test_two_workers_output_is_prefixed_and_exits_are_seen_at_once(
+    group: WorkerGroup, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    envs = [
+        {**BASE_ENV, "RANK": "0", "CODE": "0", "STAMP_DIR": str(tmp_path)},
+        {**BASE_ENV, "RANK": "1", "CODE": "3", "STAMP_DIR": str(tmp_path)},
+    ]
+    group.start(WorkerSpec(argv=python(WORKER_PRINTS_AND_EXITS), envs=envs, global_ranks=[0, 1]))
+    assert len(group.pids) == 2
+
+    exits: dict[int, WorkerExit] = {}
+    latencies: list[float] = []
+    for _ in range(2):
+        exit_ = next_exit(group)
+        seen_at = time.monotonic()
+        exits[exit_.global_rank] = exit_
+        latencies.append(seen_at - float((tmp_path / f"exit{exit_.global_rank}").read_text()))
+
+    assert exits[0].returncode == 0 and exits[0].succeeded and exits[0].signal_name is None
+    assert exits[1].returncode == 3 and not exits[1].succeeded
+    assert [exits[r].pid for r in (0, 1)] == group.pids
+    assert max(latencies) < 0.5, f"exits seen {latencies}s after the workers exited"
+    assert group.running() == []
+    assert group.wait_exit(None) is None  # nothing left to report: no blocking
+
+    group.stop()
+    out, err = capfd.readouterr()
+    assert "[rank0]:hello from 0\n" in out and "[rank1]:hello from 1\n" in out
+    assert "[rank0]:warning from 0\n" in err and "[rank1]:warning from 1\n" in err
+    assert "warning" not in out and "hello" not in err
+
+
+@pytest.mark.timeout(30)
+def test_wait_exit_times_out_while_workers_run(group: WorkerGroup) -> None:
+    assert group.wait_exit(None) is None  # nothing started
+    group.start(spec_for(python("import time; time.sleep(300)")))
+    started = time.monotonic()
+    assert group.wait_exit(0.2) is None
+    assert time.monotonic() - started >= 0.19
+    assert group.running() == [0]
+
+
+@pytest.mark.timeout(30)
+def test_stop_wakes_a_blocked_wait_exit(group: WorkerGroup) -> None:
+    group.start(spec_for(python("import time; time.sleep(300)")))
+    results: queue.Queue[WorkerExit | None] = queue.Queue()
+    waiter = threading.Thread(target=lambda: results.put(group.wait_exit(None)), daemon=True)
+    waiter.start()
+    group.stop(grace_s=5)
+    assert results.get(timeout=5) is None  # exits caused by stop() are not reported
+    waiter.join(timeout=5)
+
+
+@pytest.mark.timeout(30)
+def test_log_dir_gets_raw_output_and_the_console_survives_binary(
+    group: WorkerGroup, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    code = """
+        import sys
+        print("to stdout")
+        sys.stdout.flush()
+        sys.stdout.buffer.write(b"\\xff\\xfe binary\\n")
+        sys.stdout.buffer.write(b"no newline at the end")
+        sys.stdout.buffer.flush()
+        print("to stderr", file=sys.stderr)
+    """
+    group.start(spec_for(python(code), log_dir=tmp_path / "logs", attempt="round3"))
+    assert next_exit(group).returncode == 0
+    group.stop()
+
+    folder = tmp_path / "logs" / "round3" / "rank0"
+    assert (folder / "stdout.log").read_bytes() == b"to stdout\n\xff\xfe binary\nno newline at the end"
+    assert (folder / "stderr.log").read_bytes() == b"to stderr\n"
+    out, err = capfd.readouterr()
+    assert "[rank0]:to stdout\n[rank0]:\ufffd\ufffd binary\n[rank0]:no newline at the end\n" in out
+    assert "[rank0]:to stderr\n" in err
+
+
+@pytest.mark.timeout(30)
+def test_worker_sees_exactly_the_given_environment(
+    group: WorkerGroup, capfd: pytest.CaptureFixture[str]
+) -> None:
+    env = {"PATH": "/usr/bin:/bin", "FOO": "bar baz", "ELASTIC_NODE_ID": "n1", "RANK": "5"}
+    env_binary = shutil.which("env")
+    assert env_binary is not None
+    group.start(WorkerSpec(argv=[env_binary], envs=[env], global_ranks=[5], attempt="round1"))
+    assert next_exit(group).returncode == 0
+    group.stop()
+
+    out, _ = capfd.readouterr()
+    lines = [line.removeprefix("[rank5]:") for line in out.splitlines() if line.startswith("[rank5]:")]
+    seen = dict(line.split("=", 1) for line in lines)
+    error_file = group.error_dir / "round1" / "rank5" / "error.json"
+    assert seen == {**env, "TORCHELASTIC_ERROR_FILE": str(error_file)}
+    assert error_file.parent.is_dir()
+
+
+# -- failure root cause -------------------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_failure_info_finds_the_exception_on_stderr(group: WorkerGroup) -> None:
+    code = """
+        import sys
+        print("some unrelated warning", file=sys.stderr)
+        def train():
+            raise RuntimeError("boom")
+        train()
+    """
+    group.start(spec_for(python(code)))
+    exit_ = next_exit(group)
+    info = group.failure_info(exit_)
+    assert (info.exit_code, info.signal) == (1, None)
+    assert (info.local_rank, info.global_rank) == (0, 0)
+    assert "RuntimeError: boom" in info.message
+
+
+@pytest.mark.timeout(30)
+def test_failure_info_prefers_the_error_file(group: WorkerGroup) -> None:
+    code = """
+        import json, os
+        record = {"message": {"message": "ValueError: from the error file",
+                              "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "0"}}}
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump(record, f)
+        raise RuntimeError("what stderr says")
+    """
+    group.start(spec_for(python(code)))
+    info = group.failure_info(next_exit(group))
+    assert info.message == "ValueError: from the error file"
+    assert info.exit_code == 1
+
+
+@pytest.mark.timeout(60)
+def test_failure_info_reads_the_file_written_by_torch_record(group: WorkerGroup) -> None:
+    code = """
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        @record
+        def main():
+            raise KeyError("missing shard")
+
+        main()
+    """
+    group.start(spec_for(python(code)))
+    info = group.failure_info(next_exit(group, timeout=50))
+    assert info.message == "KeyError: 'missing shard'"
+
+
+@pytest.mark.timeout(30)
+def test_a_stale_error_file_is_removed_before_the_spawn(tmp_path: Path, leftovers: list[int]) -> None:
+    stale = tmp_path / "round2" / "rank0" / "error.json"
+    stale.parent.mkdir(parents=True)
+    stale.write_text(json.dumps({"message": "from an earlier run"}))
+    with WorkerGroup(error_dir=tmp_path) as group:
+        group.start(
+            spec_for(
+                python("import sys; print('IndexError: fresh', file=sys.stderr); sys.exit(2)"),
+                attempt="round2",
+            )
+        )
+        leftovers.extend(group.pids)
+        info = group.failure_info(next_exit(group))
+    assert (info.message, info.exit_code) == ("IndexError: fresh", 2)
+    assert tmp_path.is_dir()  # a caller's error_dir is not removed
+
+
+@pytest.mark.timeout(30)
+def test_a_sigkilled_worker_is_reported_with_its_signal(group: WorkerGroup, tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    group.start(spec_for(python(f"import time; open({str(ready)!r}, 'w').close(); time.sleep(300)")))
+    wait_until(ready.exists, 10, "the worker to start")
+    os.kill(group.pids[0], signal.SIGKILL)
+    exit_ = next_exit(group)
+    assert exit_.returncode == -signal.SIGKILL and exit_.signal_name == "SIGKILL"
+    info = group.failure_info(exit_)
+    assert (info.exit_code, info.signal) == (None, "SIGKILL")
+    assert "SIGKILL" in info.message
+
+
+def test_error_file_and_stderr_parsing() -> None:
+    traceback = ["Traceback (most recent call last):", '  File "x.py"', "RuntimeError: boom", ""]
+    assert message_from_stderr(traceback) == "RuntimeError: boom"
+    assert message_from_stderr(["torch.distributed.DistBackendError: NCCL timeout", "W1 shutting down"]) == (
+        "torch.distributed.DistBackendError: NCCL timeout"
+    )
+    assert message_from_stderr(["just a line", "  "]) == "just a line"
+    assert message_from_stderr([]) is None
+
+
+def test_error_file_formats(tmp_path: Path) -> None:
+    path = tmp_path / "error.json"
+    assert read_error_file(path) is None
+    path.write_text(json.dumps({"message": "plain message"}))
+    assert read_error_file(path) == "plain message"
+    path.write_text(json.dumps({"message": {"message": "x" * 5000, "extraInfo": {}}}))
+    message = read_error_file(path)
+    assert message is not None and len(message) == 2000 and message.endswith("...")
+    path.write_text("{not json")
+    assert read_error_file(path) is None
+
+
+# -- stop ---------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_stop_returns_as_soon_as_workers_exit(group: WorkerGroup) -> None:
+    group.start(spec_for(python("import time; time.sleep(300)"), nprocs=2))
+    pids = group.pids
+    started = time.monotonic()
+    group.stop(grace_s=20)
+    assert time.monotonic() - started < 5
+    assert all(gone(pid) for pid in pids)
+    assert group.running() == []
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_ignoring_sigterm_is_killed_after_the_grace(group: WorkerGroup, tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    code = f"""
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open({str(ready)!r}, "w").close()
+        time.sleep(300)
+    """
+    group.start(spec_for(python(code)))
+    wait_until(ready.exists, 10, "the worker to ignore SIGTERM")
+    pid = group.pids[0]
+    started = time.monotonic()
+    group.stop(grace_s=0.5)
+    elapsed = time.monotonic() - started
+    assert 0.5 <= elapsed < 5, elapsed
+    assert gone(pid)
+
+
+@pytest.mark.timeout(30)
+def test_stop_kills_a_shell_workers_background_child(group: WorkerGroup, tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    group.start(spec_for(["bash", "-c", f"sleep 300 & echo $! > {pid_file}; sleep 300"]))
+    grandchild = read_pid(pid_file)
+    worker = group.pids[0]
+    group.stop(grace_s=2)
+    assert gone(worker) and gone(grandchild)
+
+
+@pytest.mark.timeout(30)
+def test_stop_kills_a_descendant_that_left_the_group_and_ignores_sigterm(
+    group: WorkerGroup, tmp_path: Path, leftovers: list[int]
+) -> None:
+    pid_file = tmp_path / "child.pid"
+    code = f"""
+        import subprocess, sys, time
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             "open({str(pid_file)!r} + '.tmp', 'w').close(); time.sleep(300)"],
+            start_new_session=True,
+        )
+        while True:  # publish the pid only once the child ignores SIGTERM
+            try:
+                open({str(pid_file)!r} + ".tmp").close()
+                break
+            except FileNotFoundError:
+                time.sleep(0.01)
+        with open({str(pid_file)!r}, "w") as f:
+            f.write(str(child.pid))
+        time.sleep(300)
+    """
+    group.start(spec_for(python(code)))
+    escaped = read_pid(pid_file)
+    leftovers.append(escaped)
+    assert os.getpgid(escaped) != group.pids[0]
+    group.stop(grace_s=0.5)
+    assert gone(escaped)
+
+
+@pytest.mark.timeout(30)
+def test_stop_is_idempotent_and_the_group_restarts(group: WorkerGroup) -> None:
+    group.stop()  # nothing started yet
+    group.start(spec_for(python("import time; time.sleep(300)")))
+    with pytest.raises(WorkerGroupError, match="still running"):
+        group.start(spec_for(python("pass")))
+    group.stop(grace_s=1)
+    group.stop(grace_s=1)
+    assert group.wait_exit(0.1) is None
+
+    group.start(spec_for(python("import sys; sys.exit(4)"), attempt="1"))
+    assert next_exit(group).returncode == 4
+    group.start(spec_for(python("pass"), attempt="2"))  # all exited: start() cleans up by itself
+    assert next_exit(group).returncode == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_spawn_failure_raises_and_stops_the_others(group: WorkerGroup, tmp_path: Path) -> None:
+    spec = WorkerSpec(argv=[str(tmp_path / "no-such-program")], envs=[BASE_ENV], global_ranks=[0])
+    with pytest.raises(WorkerGroupError, match="cannot start worker"):
+        group.start(spec)
+    assert group.running() == []
+
+
+def test_spec_is_validated() -> None:
+    with pytest.raises(ValueError, match="global_ranks"):
+        WorkerSpec(argv=["x"], envs=[{}, {}], global_ranks=[0])
+    with pytest.raises(ValueError, match="attempt"):
+        WorkerSpec(argv=["x"], envs=[{}], global_ranks=[0], attempt="../up")
+
+
+# -- the agent dies -----------------------------------------------------------------------------------------
+FAKE_AGENT = """
+    import json, sys, threading
+    from agent.reaper import Reaper
+    from agent.workers import WorkerGroup, WorkerSpec
+
+    worker = '''
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    print(f"grandchild {child.pid}", flush=True)
+    time.sleep(300)
+    '''
+    reaper = Reaper() if sys.argv[1] == "reaper" else None
+    group = WorkerGroup(reaper=reaper)
+    env = {"PATH": "/usr/bin:/bin"}
+    group.start(WorkerSpec(argv=[sys.executable, "-c", worker], envs=[env], global_ranks=[0]))
+    print(json.dumps({"worker": group.pids[0], "reaper": reaper.pid if reaper else None}), flush=True)
+    threading.Event().wait()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("protection", ["reaper", "pdeathsig-only"])
+def test_nothing_survives_a_sigkilled_agent(protection: str, tmp_path: Path, leftovers: list[int]) -> None:
+    with open(tmp_path / "agent.err", "wb") as agent_err:
+        agent = subprocess.Popen(
+            [*python(FAKE_AGENT), protection], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=agent_err
+        )
+    leftovers.append(agent.pid)
+    lines: queue.Queue[str] = queue.Queue()
+    assert agent.stdout is not None
+    stdout = agent.stdout
+    threading.Thread(target=lambda: [lines.put(line.decode()) for line in stdout], daemon=True).start()
+
+    pids: dict[str, int | None] = {}
+    deadline = time.monotonic() + 30
+    while "worker" not in pids or "grandchild" not in pids:
+        try:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Empty:
+            pytest.fail(f"fake agent printed no pids; stderr: {(tmp_path / 'agent.err').read_text()}")
+        if line.startswith("[rank0]:grandchild "):
+            pids["grandchild"] = int(line.split()[-1])
+        elif line.startswith("{"):
+            pids.update(json.loads(line))
+    leftovers.extend(pid for pid in pids.values() if pid is not None)
+
+    agent.kill()
+    agent.wait(timeout=10)
+    stdout.close()
+    worker, grandchild, reaper = pids["worker"], pids["grandchild"], pids["reaper"]
+    assert worker is not None and grandchild is not None
+    wait_until(lambda: gone(worker), 5, "the worker to die with the agent")
+    if reaper is not None:
+        wait_until(lambda: gone(grandchild) and gone(reaper), 5, "the reaper to kill the grandchild and exit")
+
+
+@pytest.mark.timeout(30)
+def test_reaper_close_kills_registered_groups_and_exits(leftovers: list[int]) -> None:
+    victim = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    leftovers.append(victim.pid)
+    reaper = Reaper()
+    leftovers.append(reaper.pid)
+    reaper.register(victim.pid)
+    reaper.close()
+    assert victim.wait(timeout=5) == -signal.SIGKILL
+    assert gone(reaper.pid)
+    reaper.close()  # idempotent
+
+
+@pytest.mark.timeout(30)
+def test_reaper_spares_unregistered_groups(leftovers: list[int]) -> None:
+    survivor = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    leftovers.append(survivor.pid)
+    with Reaper() as reaper:
+        leftovers.append(reaper.pid)
+        reaper.register(survivor.pid)
+        reaper.unregister(survivor.pid)
+    assert survivor.poll() is None
+    survivor.kill()
+    survivor.wait(timeout=5)
+
+
+@pytest.mark.timeout(30)
+def test_the_agent_side_never_imports_torch() -> None:
+    code = "import sys, agent.workers, agent.reaper; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=20).returncode == 0

@@ -1,0 +1,58 @@
+"""The status table (master.status_view.render_status): step time, straggler flags and node-check figures."""
+
+from __future__ import annotations
+
+import pytest
+from health_jobs import check
+
+from elastic.protocol import JobStatus, NodeStatus
+from master.status_view import render_status
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_the_status_table_shows_step_time_and_flags_and_the_check_figures():
+    def row(node_id, rank, **fields) -> NodeStatus:
+        values: dict = dict(
+            node_id=node_id,
+            rank=rank,
+            state="running",
+            heartbeat_age_s=0.3,
+            restarts=0,
+            round=2,
+            host="h",
+            nproc=1,
+        )
+        values.update(fields)
+        return NodeStatus(**values)
+
+    job = JobStatus(
+        job_id="j",
+        master_id="m",
+        phase="training",
+        round=2,
+        world_size=2,
+        nnodes=2,
+        restart_count=0,
+        max_restarts=3,
+        nodes=[
+            row("a", 0, step_time_s=0.5, compute_time_s=0.1, node_check=check(), node_check_verdict="ok"),
+            row("b", 1, step_time_s=0.5, compute_time_s=0.45, straggler=True),
+            row(
+                "c",
+                None,
+                state="excluded",
+                node_check=check(ok=False, stage="matmul", matmul=None, allreduce=None),
+                node_check_verdict="failed: check failed at matmul: boom",
+            ),
+        ],
+    )
+    head, columns, *rows = render_status(job).splitlines()
+    assert columns.split() == [
+        "NODE", "RANK", "STATE", "HEARTBEAT", "AGE", "RESTARTS", "ROUND", "WORLD", "STEP", "TIME", "FLAGS"
+    ]  # fmt: skip
+    assert rows[0].split() == ["a", "0", "running", "0.3s", "0", "2", "2", "0.500s(0.100s)"]
+    assert rows[1].split() == ["b", "1", "running", "0.3s", "0", "2", "2", "0.500s(0.450s)", "straggler"]
+    assert rows[2].split() == ["c", "-", "excluded", "0.3s", "0", "2", "-", "-", "check-failed"]
+    assert rows[3] == "node check a: ok; matmul 10.0 ms on cpu, allreduce 2.0 ms"
+    assert rows[4] == "node check c: failed: check failed at matmul: boom; no figures"
