@@ -13,7 +13,7 @@ from elastic.client import MasterClient
 from elastic.listener_rules import MASTER_API, Auth, check_listener
 from elastic.master_errors import MasterError, MasterTLSError, MasterUnreachableError
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 
 def connect_or_host_master(settings: AgentSettings, embed_at: str | None):

@@ -31,7 +31,7 @@ from elastic.contract import MAX_DATAGRAM_BYTES, MalformedDatagram, Progress, Pr
 
 RECENT_STEPS = 20
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 
 @dataclass

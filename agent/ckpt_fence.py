@@ -33,7 +33,7 @@ from pathlib import Path
 from elastic import ckpt_layout as layout
 from elastic import errors
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 FENCE_FILE = ".fence"
 DEFAULT_LOCK_TIMEOUT_S = 60.0

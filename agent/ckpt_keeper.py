@@ -49,7 +49,7 @@ from agent.shm_folder import DEFAULT_ROOT, folder_name
 from elastic import ckpt_layout as layout
 from elastic import contract, shard_layout
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 DEFAULT_KEEP = 3
 SHM_DIR_ENV = contract.SHM_DIR

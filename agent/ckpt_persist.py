@@ -28,7 +28,7 @@ from agent import ckpt_fence, sharded_persist
 from elastic import ckpt_layout as layout
 from elastic import shard_layout
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 PERSIST_DELAY_ENV = "ELASTIC_PERSIST_DELAY_S"
 _COPY_CHUNK = 8 << 20

@@ -24,7 +24,7 @@ from elastic import job_settings as ms
 from elastic.addresses import parse_addresses, split_address
 from elastic.protocol import valid_host
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 
 def given_options(ctx: click.Context) -> frozenset[str]:

@@ -21,7 +21,7 @@ from elastic.addresses import split_address
 from elastic.auth import TOKEN_ENV, TokenError, derived_token, loose_permissions_warning, read_token_file
 from elastic.listener_rules import AGENT_METRICS, MASTER_API, Auth, ListenerRuleError, check_listener
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 _RDZV_CONF_KEYS = {"join_timeout": "join_timeout_s", "last_call_timeout": "last_call_s"}
 

@@ -36,7 +36,7 @@ from elastic.node_check import RESULT_ENV, TIMEOUT_ENV
 from elastic.protocol import Assignment, JobInfo, NodeCheckResult
 from elastic.report import STACK_FILE_ENV
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 #: Lines of each stack dump copied into the agent's log (the file has all of it).
 STACK_LOG_LINES = 60

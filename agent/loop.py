@@ -59,7 +59,7 @@ from elastic.protocol import (
     describe_figures,
 )
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 __all__ = ["LONG_POLL_S", "ElasticAgent"]
 

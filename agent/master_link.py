@@ -39,7 +39,7 @@ from elastic.client import (
 from elastic.master_errors import Disposition
 from elastic.protocol import Command, JobInfo
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 #: How long one long-poll (round, watch) may wait at the master.
 LONG_POLL_S = 20.0

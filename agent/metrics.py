@@ -44,7 +44,7 @@ from agent.progress import sample_agent
 from elastic.master_errors import ErrorCode
 from elastic.protocol import NodeState
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"
 #: Seconds a scrape connection may stay silent (a slow or stuck client does not hold a thread forever).

@@ -1,7 +1,7 @@
 """The agent's progress line: every ``--progress-interval`` seconds (default
 :data:`DEFAULT_PROGRESS_INTERVAL_S`), one compact line on the agent's log::
 
-    [elastic.agent] progress: round 3, step 1200, 4.9 steps/s, world 16 (2 nodes), restarts 1/3,
+    [agent.loop] progress: round 3, step 1200, 4.9 steps/s, world 16 (2 nodes), restarts 1/3,
     checkpoint step 1100 (on disk 1000)
 
 The figures come from what the agent knows already: its workers' progress channel (steps, step times,

@@ -23,7 +23,7 @@ from agent.replication_wire import IO_TIMEOUT_S, Reader, ReplicationError, mac, 
 from elastic import shard_layout as sl
 from elastic.listener_rules import REPLICATION, Auth, check_listener
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 _NODE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 

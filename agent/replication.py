@@ -48,7 +48,7 @@ from elastic import ckpt_layout as layout
 from elastic import shard_layout as sl
 from elastic.listener_rules import Auth
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 STATUS_FILE = "replication.json"
 DEFAULT_REPLICAS = 1

@@ -27,7 +27,7 @@ from agent import shm_lock
 from elastic import ckpt_layout as layout
 from elastic import errors
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = Path("/dev/shm")
 FOLDER_PREFIX = "elastic-"

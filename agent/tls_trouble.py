@@ -17,7 +17,7 @@ import threading
 from agent.events import EventLog
 from elastic.master_errors import MasterTLSError
 
-log = logging.getLogger("elastic.agent")
+log = logging.getLogger(__name__)
 
 
 class TLSTrouble:

@@ -24,7 +24,7 @@ from elastic.torch_fallback import estimated_size
 #: Flash saves kept in shared memory per node: the newest and the one before it.
 MEMORY_KEEP = 2
 
-log = logging.getLogger("elastic.checkpoint")  # the logger of elastic.save, whose part this is
+log = logging.getLogger(__name__)
 _warned_fallback = False
 
 

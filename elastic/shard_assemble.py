@@ -18,7 +18,7 @@ from elastic import shard_layout as sl
 from elastic.ckpt_env import CheckpointError
 from elastic.shard_holdings import encode
 
-log = logging.getLogger("elastic.sharded")  # the logger of elastic.load_sharded, whose part this is
+log = logging.getLogger(__name__)
 
 _RESTORE_SUBDIR = "restore"
 

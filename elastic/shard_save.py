@@ -27,7 +27,7 @@ from elastic import shard_layout as sl
 from elastic.ckpt_env import CKPT_DIR_ENV, SHM_DIR_ENV, CheckpointError, node_local_rank
 from elastic.report import report_checkpoint
 
-log = logging.getLogger("elastic.sharded")  # the logger of elastic.save_sharded, whose part this is
+log = logging.getLogger(__name__)
 
 #: Sharded saves kept in a node's shared memory: the newest and the one before it (the double buffer).
 MEMORY_KEEP = 2

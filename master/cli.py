@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 import click
 
@@ -17,7 +18,7 @@ from master.conn_options import connection_options, connection_settings
 from master.observability_options import bind_metrics, observability_options, observability_settings
 from master.settings import ServerSettings
 
-log = logging.getLogger("elastic.master")
+log = logging.getLogger(__name__)
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
@@ -210,17 +211,33 @@ def cli(ctx: click.Context, **opts) -> None:
         raise click.ClickException(str(exc)) from None
 
 
+def client_options(command: Callable) -> Callable:
+    """The options of a command that calls the leading master: where it is, the job, the token, TLS."""
+    for option in reversed(
+        [
+            click.option(
+                "--master", "master", required=True, help="Master HOST:PORT (comma-separated for several)."
+            ),
+            click.option("--job-id", required=True, help="Job id."),
+            click.option(
+                "--token-file", type=click.Path(dir_okay=False), default=None, help="Bearer token file."
+            ),
+            click.option(
+                "--tls-ca",
+                type=click.Path(dir_okay=False),
+                envvar=TLS_CA_ENV,
+                default=None,
+                help="Speak https and verify the master's certificate with this PEM CA file. Default: "
+                f"{TLS_CA_ENV}.",
+            ),
+        ]
+    ):
+        command = option(command)
+    return command
+
+
 @cli.command()
-@click.option("--master", "master", required=True, help="Master HOST:PORT (comma-separated for several).")
-@click.option("--job-id", required=True, help="Job id.")
-@click.option("--token-file", type=click.Path(dir_okay=False), default=None, help="Bearer token file.")
-@click.option(
-    "--tls-ca",
-    type=click.Path(dir_okay=False),
-    envvar=TLS_CA_ENV,
-    default=None,
-    help=f"Speak https and verify the master's certificate with this PEM CA file. Default: {TLS_CA_ENV}.",
-)
+@client_options
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON status.")
 @click.option(
     "--watch",
@@ -267,16 +284,7 @@ def status(
 
 @cli.command()
 @click.argument("node_id")
-@click.option("--master", "master", required=True, help="Master HOST:PORT (comma-separated for several).")
-@click.option("--job-id", required=True, help="Job id.")
-@click.option("--token-file", type=click.Path(dir_okay=False), default=None, help="Bearer token file.")
-@click.option(
-    "--tls-ca",
-    type=click.Path(dir_okay=False),
-    envvar=TLS_CA_ENV,
-    default=None,
-    help=f"Speak https and verify the master's certificate with this PEM CA file. Default: {TLS_CA_ENV}.",
-)
+@client_options
 def readmit(node_id: str, master: str, job_id: str, token_file: str | None, tls_ca: str | None) -> None:
     """Re-admit NODE_ID, excluded for flapping, before its --flap-cooldown ends: its next join is accepted
     (docs/failures.md, "Flapping nodes")."""

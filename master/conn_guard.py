@@ -36,7 +36,7 @@ from elastic.protocol import ErrorBody
 from master.rate_limits import LogLimiter
 from master.settings import DEFAULT_HEADER_TIMEOUT_S
 
-log = logging.getLogger("elastic.master")
+log = logging.getLogger(__name__)
 
 #: Descriptors kept out of the connection cap for the master itself: listeners, the store's connections,
 #: log files, the event loop.
@@ -258,7 +258,7 @@ class ResourceLogFilter(logging.Filter):
 #: One filter per process, shared by every master in it (an embedded master and tests start several).
 _FILTER = ResourceLogFilter()
 #: asyncio logs a failed accept(); uvicorn logs an application's unexpected error.
-_FILTERED_LOGGERS = ("asyncio", "uvicorn.error", "elastic.master")
+_FILTERED_LOGGERS = ("asyncio", "uvicorn.error", __name__, "master.serving", "master.service")
 
 
 def install_log_filter() -> None:

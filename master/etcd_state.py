@@ -26,7 +26,7 @@ from aetcd import rpc, utils
 from master import etcd_layout as layout
 from master.store import Snapshot
 
-log = logging.getLogger("elastic.master.etcd")
+log = logging.getLogger(__name__)
 
 #: Keys per range request when reading the prefix (values are small: a page stays within the client's
 #: 64 MiB message limit, master/etcd_client.py).

@@ -43,7 +43,7 @@ from master import etcd_client as ec
 from master.etcd_state import StateRecords
 from master.store import Snapshot, StateFormatError, StateStore, StoreError
 
-log = logging.getLogger("elastic.master.etcd")
+log = logging.getLogger(__name__)
 
 #: Seconds the first read of :meth:`EtcdStore.start` may take before etcd counts as unreachable.
 START_TIMEOUT_S = 3.0

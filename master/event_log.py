@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from master.job_events import Event
 
-log = logging.getLogger("elastic.master")
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_BACKUPS = 3

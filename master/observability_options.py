@@ -13,7 +13,7 @@ from elastic.listener_rules import MASTER_METRICS, Auth, check_listener
 from master.event_log import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from master.settings import ServerSettings
 
-log = logging.getLogger("elastic.master")
+log = logging.getLogger(__name__)
 
 
 def observability_options(command: Callable) -> Callable:

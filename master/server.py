@@ -42,7 +42,7 @@ from master.service import MasterService
 from master.ui import install_ui
 from master.wire_compat import for_client, revision
 
-log = logging.getLogger("elastic.master")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 

@@ -33,7 +33,7 @@ from master.store import MemoryStore, StateFormatError, StateStore, StoreError
 from master.supervision import MasterFailure, Supervisor
 from master.wait_reason import ReasonLog
 
-log = logging.getLogger("elastic.master")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Longest wait for the last save of a master that steps down (etcd slow or gone: the lease still goes).

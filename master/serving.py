@@ -37,7 +37,7 @@ from master.service import MasterService
 from master.settings import ServerSettings
 from master.store import StateStore
 
-log = logging.getLogger("elastic.master")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Longest wait for open connections after stepping down (long-polls answer at once by then).

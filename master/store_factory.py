@@ -8,7 +8,7 @@ import stat
 
 from master.store import MemoryStore, StateStore, StoreError
 
-log = logging.getLogger("elastic.master")
+log = logging.getLogger(__name__)
 
 
 def read_password_file(path: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 from elastic.errors import ElasticRunError
 from master.store import StateFormatError
 
-log = logging.getLogger("elastic.master")
+log = logging.getLogger(__name__)
 
 
 class MasterFailure(ElasticRunError):

@@ -462,7 +462,7 @@ def test_tls_trouble_is_logged_once_until_a_master_answers(caplog: pytest.LogCap
 
     trouble = TLSTrouble(EventLog())
     bad = MasterTLSError("the certificate of the master at h:1 does not verify: self-signed certificate")
-    with caplog.at_level("INFO", logger="elastic.agent"):
+    with caplog.at_level("INFO", logger="agent"):
         for exc in (bad, bad, MasterUnreachableError("no job master answered at h:1"), bad):
             trouble.failed(exc)
         # The master being away does not make the TLS reason less of an explanation.

@@ -247,7 +247,7 @@ def test_cli_resolves_torchrun_flags(resolve, monkeypatch: pytest.MonkeyPatch, t
 
 
 def test_warnings_only_for_given_flags_once_each(resolve, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="elastic.agent")
+    caplog.set_level(logging.WARNING, logger="agent")
     resolve()
     assert caplog.records == []
     resolve("--monitor-interval", "5", "--start-method", "fork", "--rdzv-conf", "timeout=5,is_host=1")

@@ -105,7 +105,7 @@ def test_the_first_failure_of_a_supervised_task_is_reported_once_with_its_traceb
         quiet.cancel()  # a cancellation is no failure
         await asyncio.sleep(0.05)
 
-    with caplog.at_level(logging.ERROR, logger="elastic.master"):
+    with caplog.at_level(logging.ERROR, logger="master"):
         asyncio.run(main())
     assert [str(f) for f in failures] == [
         "the master's tick task crashed (RuntimeError: tick broke); see the traceback above"
@@ -126,7 +126,7 @@ def test_an_unreadable_state_is_one_line_without_a_traceback(caplog):
         supervisor.spawn(load(), "run")
         await until(lambda: failures, "a failure")
 
-    with caplog.at_level(logging.ERROR, logger="elastic.master"):
+    with caplog.at_level(logging.ERROR, logger="master"):
         asyncio.run(main())
     assert [str(f) for f in failures] == ["cannot continue job j: its stored state (etcd key /k) is not JSON"]
     assert [r.exc_info for r in caplog.records if "not JSON" in r.getMessage()] == [None]
