@@ -105,6 +105,12 @@ class StateRecords:
         if layout.ROOT not in now.records:
             return None, None
         root = json.loads(now.records[layout.ROOT])
+        schema = root.get("schema") if isinstance(root, dict) else None
+        if isinstance(schema, int) and not isinstance(schema, bool) and schema > layout.ROOT_SCHEMA:
+            return None, (
+                f"cannot be read: its schema version {schema} is not one this master reads "
+                f"({layout.ROOT_SCHEMA} and older): run a newer elastic-master"
+            )
         if not layout.is_layout(root):
             return root, None
         read = now

@@ -71,6 +71,29 @@ def test_a_state_of_the_previous_release_is_read_and_replaced_by_records(etcd_en
 
 
 @pytest.mark.timeout(60)
+def test_a_root_of_a_newer_schema_is_one_line_naming_the_key_never_a_misreading(etcd_endpoint: str):
+    job = f"job-{uuid.uuid4().hex[:10]}"
+
+    async def scenario() -> str:
+        client = client_of(etcd_endpoint)
+        root = {"schema": layout.ROOT_SCHEMA + 1, layout.LAYOUT_KEY: layout.LAYOUT, "job": {}}
+        await client.put(f"/elastic/{job}/state".encode(), json.dumps(root).encode())
+        await client.close()
+        store = await leading_store(etcd_endpoint, job)
+        try:
+            with pytest.raises(StoreError) as raised:
+                await store.load()
+            return str(raised.value)
+        finally:
+            await store.close()
+
+    message = run(scenario())
+    assert f"etcd key /elastic/{job}/state" in message and "\n" not in message
+    assert f"its schema version {layout.ROOT_SCHEMA + 1} is not one this master reads" in message
+    assert "run a newer elastic-master" in message
+
+
+@pytest.mark.timeout(60)
 def test_a_save_cut_off_half_way_is_not_seen_and_the_next_leader_cleans_it_up(etcd_endpoint: str):
     job = f"job-{uuid.uuid4().hex[:10]}"
     first = {**job_snapshot(40), "job_id": job}
