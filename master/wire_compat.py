@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from elastic.protocol import PROTOCOL_VERSION, CommandReply, JobStatus, RoundReply
@@ -31,11 +31,12 @@ def revision(header: str | None) -> int:
         return 1
 
 
-def for_client(reply: BaseModel, client_revision: int) -> BaseModel | JSONResponse:
+def for_client(reply: BaseModel, client_revision: int) -> BaseModel | Response:
     """``reply`` as the client can read it: itself for a current client, else without the newer fields."""
     if client_revision >= PROTOCOL_VERSION:
         return reply
     lacking = LACKING_IN_REVISION_1.get(type(reply))
     if lacking is None:
         return reply
-    return JSONResponse(reply.model_dump(mode="json", exclude=lacking))
+    # Serialised as FastAPI serialises a returned model (model_dump_json: inf and nan become null).
+    return Response(reply.model_dump_json(exclude=lacking), media_type="application/json")

@@ -1,0 +1,176 @@
+"""Issue 15, reproduction 5: an agent rides through 500/502/504 answers in front of its master (a proxy
+or load balancer having a bad second) instead of stopping its workers at the first one.
+
+A real ``elastic-master``, a real ``elastic-run`` agent and its gloo worker; between them a TCP relay of
+this test that, for a window shorter than the heartbeat timeout, answers every request that arrives with
+500, 502 or 504 (in turn) and closes that connection; a request already relayed (a long-poll) goes on. The
+worker must keep its process and its steps: no restart, no repeated or skipped step, and the agent must have
+met the errors (the relay counts them)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import re
+import socket
+import threading
+import time
+
+import e2e
+import pytest
+from e2e import train_args, wait_until
+from multinode_cluster import (
+    HEARTBEAT_TIMEOUT_S,
+    START_LINE,
+    START_S,
+    STEP_LINE,
+    assert_succeeded,
+    start_cluster,
+)
+
+launch = e2e.launch
+
+pytestmark = pytest.mark.slow
+
+#: Shorter than the heartbeat timeout: the master must not declare the node dead meanwhile.
+FAILING_S = HEARTBEAT_TIMEOUT_S / 2
+
+
+class FaultyRelay:
+    """Relays TCP to ``target``; while :attr:`failing`, answers every request with a 5xx instead."""
+
+    STATUSES = itertools.cycle(
+        [(500, "Internal Server Error"), (502, "Bad Gateway"), (504, "Gateway Timeout")]
+    )
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.failing = threading.Event()
+        self.errors_sent = 0
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, name="relay", daemon=True).start()
+
+    def fail_for(self, seconds: float) -> None:
+        """Answer 5xx to every request that arrives within ``seconds``."""
+        self.failing.set()
+        time.sleep(seconds)  # the fault's duration: the point of the test, not a synchronisation
+        self.failing.clear()
+
+    def close(self) -> None:
+        self._closed = True
+        _close(self.listener)
+        with self._lock:
+            for sock in list(self._open):
+                _close(sock)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        if self.failing.is_set():
+            self._refuse(client)
+            return
+        try:
+            upstream = socket.create_connection(self.target, timeout=5)
+        except OSError:
+            _close(client)
+            return
+        with self._lock:
+            self._open.update((client, upstream))
+        threading.Thread(target=_pump, args=(upstream, client), daemon=True).start()
+        self._forward(client, upstream)
+        with self._lock:
+            self._open.difference_update((client, upstream))
+
+    def _forward(self, client: socket.socket, upstream: socket.socket) -> None:
+        """Client to master, request by request (a request's bytes come in one read here: they are small)."""
+        try:
+            while data := client.recv(65536):
+                if self.failing.is_set():
+                    self._answer_error(client)
+                    break
+                upstream.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(client)
+            _close(upstream)
+
+    def _refuse(self, client: socket.socket) -> None:
+        try:
+            client.settimeout(5)
+            if client.recv(65536):
+                self._answer_error(client)
+        except OSError:
+            pass
+        finally:
+            _close(client)
+
+    def _answer_error(self, client: socket.socket) -> None:
+        try:
+            status, reason = next(self.STATUSES)
+            client.sendall(
+                f"HTTP/1.1 {status} {reason}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".encode()
+            )
+            with self._lock:
+                self.errors_sent += 1
+        except OSError:
+            pass
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        _close(src)
+        _close(dst)
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+@pytest.mark.timeout(240)
+def test_an_agent_rides_through_500_502_504_without_restarting_its_workers(launch, tmp_path):
+    cluster = start_cluster(launch, tmp_path, "1:1")
+    relay = FaultyRelay(cluster.address)
+    try:
+        agent = dataclasses.replace(cluster, address=relay.address).agent(
+            "node-a", train_args(steps=60, step_time=0.1)
+        )
+        agent.wait_for(r"^\[rank0\]:step=10 loss", START_S)
+        pids = agent.worker_pids()
+        assert pids, "the worker runs"
+        relay.fail_for(FAILING_S)
+        assert relay.errors_sent >= 3, f"the agent met only {relay.errors_sent} 5xx answers"
+        wait_until(lambda: agent.worker_pids() == pids and _last_step(agent) >= 20, START_S, "steps after")
+        assert_succeeded(agent)
+    finally:
+        relay.close()
+    output = agent.output()
+    steps = [int(s) for s in re.findall(STEP_LINE.format(world=1), output, re.M)]
+    assert steps == list(range(1, 61)), "each step exactly once: no restart, nothing repeated or skipped"
+    starts = START_LINE.findall(output)
+    assert [start[2] for start in starts] == ["0"], f"one start of the worker, restart 0: {output[-3000:]}"
+    assert "round 2" not in cluster.master.output(), "no new round: the node was never declared dead"
+
+
+def _last_step(agent) -> int:
+    steps = re.findall(r"^\[rank0\]:step=(\d+) loss", agent.output(), re.M)
+    return int(steps[-1]) if steps else 0
