@@ -61,12 +61,6 @@ def last_restore_received_bytes() -> int:
     return _received
 
 
-def complete_steps(ckpt_dir: str | os.PathLike[str] | None = None) -> list[int]:
-    """Steps of the complete sharded checkpoints in ``ckpt_dir``, newest first."""
-    root = resolve_dir(ckpt_dir) / SHARDED_SUBDIR
-    return [step for step, _, data in sl.committed(root) if sl.complete_on_disk(data)]
-
-
 # -- save -------------------------------------------------------------------------------------------
 def save_sharded(
     state: dict[str, Any],

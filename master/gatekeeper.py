@@ -70,9 +70,7 @@ class Gatekeeper:
             )
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await _reply(
-                send, 413, ErrorCode.BODY_TOO_LARGE, f"request body exceeds {self.limit} bytes"
-            )
+            return await _reply(send, 413, ErrorCode.BODY_TOO_LARGE, self._too_large())
         body = bytearray()
         more = True
         while more:
@@ -82,9 +80,7 @@ class Gatekeeper:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.limit:
-                return await _reply(
-                    send, 413, ErrorCode.BODY_TOO_LARGE, f"request body exceeds {self.limit} bytes"
-                )
+                return await _reply(send, 413, ErrorCode.BODY_TOO_LARGE, self._too_large())
         return await self.app(scope, _replay({"type": "http.request", "body": bytes(body)}, receive), send)
 
 
