@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from e2e import wait_until
 from replication_saves import fake_save
 
 from agent.replica_server import ReplicaServer
@@ -46,8 +47,9 @@ def test_newest_save_reaches_the_peer_with_its_hashes_and_the_lag_closes(nodes) 
         assert (copy / name).read_bytes() == (data / name).read_bytes()
     hashes = json.loads((copy / sl.HASHES).read_text())
     assert hashes["__0_0.distcp"] == sl.sha256_file(data / "__0_0.distcp")
-    status = json.loads((a / "replication.json").read_text())
-    assert status == {"enabled": True, "bound": 1, "replicated": 5}
+    # The status file follows the in-memory status (written after it): poll it, with a deadline.
+    expected = {"enabled": True, "bound": 1, "replicated": 5}
+    wait_until(lambda: json.loads((a / "replication.json").read_text()) == expected, 10, "the status file")
     assert sender.status().lag == 0
 
     # A newer save replaces the older replica (the receiver keeps one per peer).
