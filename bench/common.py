@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -274,8 +275,14 @@ class Group:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.procs: list[Launched] = []
+        # A TMPDIR of the run's own: a node the benchmark SIGKILLs whole (agent and reaper) leaves its temp
+        # folders there, as a lost machine takes its /tmp with it. Short: unix socket paths are limited.
+        self.temp = Path(tempfile.mkdtemp(prefix="eb-"))
 
     def launch(self, argv: list[str], name: str, env: dict[str, str] | None = None) -> Launched:
+        env = dict(env or bench_env())
+        if env.get("TMPDIR") == os.environ.get("TMPDIR"):  # unless the caller chose one
+            env["TMPDIR"] = str(self.temp)
         proc = Launched(argv, self.folder / f"{name}.log", env=env, name=name)
         self.procs.append(proc)
         return proc
@@ -287,6 +294,7 @@ class Group:
     def close(self) -> None:
         for proc in self.procs:
             proc.kill()
+        shutil.rmtree(self.temp, ignore_errors=True)
 
     def __enter__(self) -> Group:
         return self

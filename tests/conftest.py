@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from etcd_server import EtcdNotFoundError, EtcdServer
@@ -53,3 +56,13 @@ def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def agent_tmpdir() -> Iterator[Path]:
+    """A short TMPDIR for an agent a test SIGKILLs without its reaper: what it leaves (worker error files,
+    its progress socket folder) goes with the test. Short, because unix socket paths are limited to 108
+    bytes."""
+    folder = Path(tempfile.mkdtemp(prefix="et-"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

@@ -115,9 +115,7 @@ def test_a_sigstopped_worker_is_declared_hung_and_the_world_restarts(launch, tmp
     assert detected_s <= hang_timeout + HEARTBEAT_INTERVAL_S + DETECTION_SLACK_S
     assert "its process has been stopped" in verdict.group(1)
     # Named as the root cause (first), reported as a hang, and the world restarts from the checkpoint.
-    agent.wait_for(
-        r"^\[master\.\w+\] worker_failed: round 1: rank 1 \(local rank 1 on node \S+\) hung: ", 30
-    )
+    agent.wait_for(r"^\[master\.\w+\] worker_failed: round 1: rank 1 \(local rank 1 on node \S+\) hung: ", 30)
     agent.wait_for(r"^\[rank1\]:start rank=1 world=2 restart=1 resumed_step=\d+$", START_S)
     wait_until(lambda: not alive(victim), 20, "the stopped worker to be gone")
     agent.descendants()  # remember the new workers, for the survivor check

@@ -624,12 +624,13 @@ FAKE_AGENT = """
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("protection", ["reaper", "pdeathsig-only"])
 def test_nothing_survives_a_sigkilled_agent_with_warm_workers(
-    protection: str, tmp_path: Path, leftovers: list[int]
+    protection: str, tmp_path: Path, leftovers: list[int], agent_tmpdir: Path
 ) -> None:
     worker = write(tmp_path / "worker.py", WORKER_WITH_GRANDCHILD)
     with open(tmp_path / "agent.err", "wb") as agent_err:
         agent = subprocess.Popen(
             [PY, "-c", textwrap.dedent(FAKE_AGENT), protection, str(worker)],
+            env={**os.environ, "TMPDIR": str(agent_tmpdir)},  # without a reaper, its error folder stays
             cwd=REPO_ROOT,
             stdout=subprocess.PIPE,
             stderr=agent_err,

@@ -408,10 +408,17 @@ FAKE_AGENT = """
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("protection", ["reaper", "pdeathsig-only"])
-def test_nothing_survives_a_sigkilled_agent(protection: str, tmp_path: Path, leftovers: list[int]) -> None:
+def test_nothing_survives_a_sigkilled_agent(
+    protection: str, tmp_path: Path, leftovers: list[int], agent_tmpdir: Path
+) -> None:
+    env = {**os.environ, "TMPDIR": str(agent_tmpdir)}  # without a reaper, its error folder stays behind
     with open(tmp_path / "agent.err", "wb") as agent_err:
         agent = subprocess.Popen(
-            [*python(FAKE_AGENT), protection], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=agent_err
+            [*python(FAKE_AGENT), protection],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=agent_err,
+            env=env,
         )
     leftovers.append(agent.pid)
     lines: queue.Queue[str] = queue.Queue()
