@@ -1,8 +1,12 @@
-"""HTTP client of the job master API, used by the agent and by ``elastic-master status``.
+"""Client of the job master API, used by the agent and by ``elastic-master status``.
 
-One ``httpx.Client`` per thread (heartbeats, watch long-poll and the main loop run concurrently).
-Several master addresses may be given; the client sticks to the one that answered last and moves
-on to the next when it is unreachable or answers that it is not the leader.
+The agent's calls (info, join, round, heartbeat, watch, leave) go over one agent stream per master
+address (elastic.master_streams, docs/protocol.md "The agent stream"), shared by every thread of the
+client: heartbeats, the watch long-poll and the main loop run concurrently on one connection. A master
+without the stream (an older release: 404 to the upgrade), ``ELASTIC_MASTER_STREAM=0``, and the
+operator's calls (status, readmit) use plain HTTP, with one ``httpx.Client`` per thread. Several master
+addresses may be given; the client sticks to the one that answered last and moves on to the next when
+it is unreachable or answers that it is not the leader (503), closing its stream to that one.
 
 With a CA file (``tls_ca``) every address is spoken to over https and the master's certificate is verified
 against that CA, host name included (``elastic.tls``). A TLS failure that retrying cannot fix (the
@@ -12,9 +16,11 @@ as no other address answered, instead of counting as an unreachable master.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import threading
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -28,6 +34,7 @@ from elastic.master_errors import (
     MasterTLSError,
     MasterUnreachableError,
 )
+from elastic.master_streams import MasterStreams, NoStream, stream_wanted
 from elastic.protocol import (
     API_PREFIX,
     JOB_HEADER,
@@ -44,6 +51,7 @@ from elastic.protocol import (
     ReadmitReply,
     RoundReply,
 )
+from elastic.stream_client import StreamError, StreamFrameTooLarge, StreamLost
 from elastic.tls import client_context, describe_tls_failure, speaks_tls
 
 __all__ = [
@@ -90,9 +98,11 @@ class MasterClient:
         *,
         request_timeout: float = 10.0,
         tls_ca: str | None = None,
+        stream: bool | None = None,
     ) -> None:
         """``tls_ca``: CA file to verify the masters' certificates with; given, every address is https.
-        Raises :class:`elastic.tls.TLSConfigError` when it cannot be used."""
+        Raises :class:`elastic.tls.TLSConfigError` when it cannot be used. ``stream``: whether the agent's
+        calls use the agent stream (default: yes, unless ``ELASTIC_MASTER_STREAM=0``)."""
         self.addresses = list(addresses)
         # One context for every thread's client: loading the CA file once, and SSLContext is thread-safe.
         self._tls = client_context(tls_ca) if tls_ca else None
@@ -112,6 +122,9 @@ class MasterClient:
         self._timeout = request_timeout
         self._local = threading.local()
         self._preferred = 0
+        if stream is None:
+            stream = stream_wanted(os.environ)
+        self._streams = MasterStreams(self.addresses, self._headers, self._tls) if stream else None
 
     def _http(self) -> httpx.Client:
         client = getattr(self._local, "client", None)
@@ -121,6 +134,10 @@ class MasterClient:
         return client
 
     def close(self) -> None:
+        """Close the streams (their pending calls fail) and this thread's HTTP client; a later call
+        opens what it needs again."""
+        if self._streams is not None:
+            self._streams.close()
         client = getattr(self._local, "client", None)
         if client is not None:
             client.close()
@@ -132,6 +149,7 @@ class MasterClient:
         path: str,
         reply: type[M],
         *,
+        op: str | None = None,
         body: BaseModel | None = None,
         params: dict | None = None,
         wait: float = 0.0,
@@ -140,41 +158,37 @@ class MasterClient:
     ) -> M:
         # ``timeout`` (default: the client's) bounds each address's attempt, so that a master that
         # accepts connections but never answers (hung, partitioned, SIGSTOPped) costs only that long
-        # before the next address is tried.
+        # before the next address is tried. ``op``: the call's name on the agent stream (None: HTTP only).
         timeout = self._timeout if timeout is None else timeout
-        headers = {"Content-Type": "application/json"} if body is not None else {}
         secret = self._secrets.get(node_id) if node_id is not None else None
-        if secret:
-            headers[NODE_SECRET_HEADER] = secret
+        # Unset optional fields stay out: a master of an older release refuses fields it does not know (a
+        # heartbeat's ``term``), and their absence means the default.
+        content = body.model_dump_json(exclude_unset=True) if body is not None else None
         last: Exception | None = None
         tls_failure: str | None = None
         count = len(self.addresses)
         for i in range(count):
             index = (self._preferred + i) % count
-            url = f"{self._scheme}://{self.addresses[index]}{API_PREFIX}{path}"
             try:
-                response = self._http().request(
-                    method,
-                    url,
-                    params=params,
-                    # Unset optional fields stay out: a master of an older release refuses fields it
-                    # does not know (a heartbeat's ``term``), and their absence means the default.
-                    content=body.model_dump_json(exclude_unset=True) if body is not None else None,
-                    headers=headers,
-                    timeout=httpx.Timeout(timeout + wait, connect=min(timeout, 3.0)),
+                status, payload = self._exchange(
+                    index, method, path, op, content, params, secret, timeout=timeout, wait=wait
                 )
-            except httpx.TransportError as exc:
+            except (httpx.TransportError, StreamError) as exc:
                 last = exc
                 tls_failure = tls_failure or self._tls_failure(exc, self.addresses[index], timeout)
                 continue
-            if response.status_code == 503:  # a standby master: try the next address
-                last = MasterRejectedError(503, ErrorCode.NOT_LEADER, response.text)
+            if status == 503:  # a standby master (or one stepping down, or at its cap): try the next address
+                last = MasterRejectedError(503, ErrorCode.NOT_LEADER, _text(payload))
+                if self._streams is not None:
+                    self._streams.drop(index)
                 continue
             self._preferred = index
-            if response.status_code >= 400:
-                raise _rejection(response)
+            if self._streams is not None:
+                self._streams.keep_only(index)  # it answers, so it leads: no stream to any other
+            if status >= 400:
+                raise _rejection(status, payload)
             try:
-                return reply.model_validate_json(response.content)
+                return _validated(reply, payload)
             except ValidationError as exc:
                 raise MasterError(f"unexpected reply from master at {self.addresses[index]}: {exc}") from None
         if tls_failure is not None:
@@ -183,7 +197,48 @@ class MasterClient:
             f"no job master answered at {', '.join(self.addresses)} ({type(last).__name__}: {last})"
         )
 
-    def _tls_failure(self, exc: httpx.TransportError, address: str, timeout: float) -> str | None:
+    def _exchange(
+        self,
+        index: int,
+        method: str,
+        path: str,
+        op: str | None,
+        content: str | None,
+        params: dict | None,
+        secret: str | None,
+        *,
+        timeout: float,
+        wait: float,
+    ) -> tuple[int, Any]:
+        """One attempt at ``addresses[index]``: ``(status, body)``, the body decoded (a stream's reply) or
+        bytes (HTTP). Raises a transport error (httpx's or the stream's)."""
+        streams = self._streams
+        if op is not None and streams is not None and streams.offered(index):
+            try:
+                return streams.call(
+                    index, op, timeout=timeout, wait=wait, secret=secret, query=params, body_json=content
+                )
+            except (NoStream, StreamFrameTooLarge):
+                pass  # a master without the stream, or a call over a frame's limit: plain HTTP
+        headers = {"Content-Type": "application/json"} if content is not None else {}
+        if secret:
+            headers[NODE_SECRET_HEADER] = secret
+        try:
+            response = self._http().request(
+                method,
+                f"{self._scheme}://{self.addresses[index]}{API_PREFIX}{path}",
+                params=params,
+                content=content,
+                headers=headers,
+                timeout=httpx.Timeout(timeout + wait, connect=min(timeout, 3.0)),
+            )
+        except httpx.TransportError:
+            if streams is not None:
+                streams.stream_lacking_again(index)  # the master there may be a newer one next time
+            raise
+        return response.status_code, response.content
+
+    def _tls_failure(self, exc: Exception, address: str, timeout: float) -> str | None:
         """A one-line error when ``exc`` is a TLS mismatch that retrying cannot fix, else None."""
         if self._tls is not None:
             return describe_tls_failure(exc, address)
@@ -191,7 +246,8 @@ class MasterClient:
         # for a TLS handshake, so that the agent says what is wrong instead of retrying until
         # --master-timeout as if the master were down. A dropped connection means a live host, so the
         # probe is quick; its bound keeps a heartbeat's turn to the next address short all the same.
-        if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
+        dropped = isinstance(exc, StreamLost) and exc.dropped
+        if dropped or isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)):
             host, port = split_address(address)
             if speaks_tls(host, port, min(timeout, 1.0)):
                 return (
@@ -201,12 +257,12 @@ class MasterClient:
         return None
 
     def info(self) -> JobInfo:
-        return self._call("GET", "/info", JobInfo)
+        return self._call("GET", "/info", JobInfo, op="info")
 
     def join(self, req: JoinRequest) -> JoinReply:
         """Join as ``req.node_id``, with the secret held for it if any (a rejoin of the same incarnation);
         the reply's secret is held from now on (none once the job is over)."""
-        reply = self._call("POST", "/join", JoinReply, body=req, node_id=req.node_id)
+        reply = self._call("POST", "/join", JoinReply, op="join", body=req, node_id=req.node_id)
         if reply.node_secret:
             self._secrets[req.node_id] = reply.node_secret
         else:
@@ -222,7 +278,9 @@ class MasterClient:
         that round name the round as ``(term, number)`` (a master with terms answers "rejoin" to a round
         number of another leader's world)."""
         params = {"node_id": node_id, "after": after, "timeout": timeout}
-        reply = self._call("GET", "/round", RoundReply, params=params, wait=timeout, node_id=node_id)
+        reply = self._call(
+            "GET", "/round", RoundReply, op="round", params=params, wait=timeout, node_id=node_id
+        )
         if reply.assignment is not None and reply.assignment.term:  # 0: a master without terms
             self._round_terms[node_id] = (reply.assignment.round, reply.assignment.term)
         return reply
@@ -236,17 +294,21 @@ class MasterClient:
         term = self._term_of(req.node_id, req.round)
         if term is not None and req.term is None:
             req = req.model_copy(update={"term": term})
-        return self._call("POST", "/heartbeat", CommandReply, body=req, timeout=timeout, node_id=req.node_id)
+        return self._call(
+            "POST", "/heartbeat", CommandReply, op="heartbeat", body=req, timeout=timeout, node_id=req.node_id
+        )
 
     def watch(self, node_id: str, round_number: int, timeout: float) -> CommandReply:
         params: dict = {"node_id": node_id, "round": round_number, "timeout": timeout}
         term = self._term_of(node_id, round_number)
         if term is not None:
             params["term"] = term
-        return self._call("GET", "/watch", CommandReply, params=params, wait=timeout, node_id=node_id)
+        return self._call(
+            "GET", "/watch", CommandReply, op="watch", params=params, wait=timeout, node_id=node_id
+        )
 
     def leave(self, req: LeaveRequest) -> CommandReply:
-        return self._call("POST", "/leave", CommandReply, body=req, node_id=req.node_id)
+        return self._call("POST", "/leave", CommandReply, op="leave", body=req, node_id=req.node_id)
 
     def status(self) -> JobStatus:
         return self._call("GET", "/status", JobStatus)
@@ -256,10 +318,29 @@ class MasterClient:
         return self._call("POST", f"/nodes/{quote(node_id, safe='')}/readmit", ReadmitReply)
 
 
-def _rejection(response: httpx.Response) -> MasterRejectedError:
-    try:
-        data = response.json()
-        code, message = str(data.get("error", "error")), str(data.get("message", response.text))
-    except ValueError:
-        code, message = "error", response.text[:500]
-    return MasterRejectedError(response.status_code, code, message)
+def _text(payload: Any) -> str:
+    """An answer's body as text, for messages (bytes of HTTP, or a stream reply's decoded body)."""
+    if isinstance(payload, (bytes, bytearray)):
+        return bytes(payload).decode("utf-8", errors="replace")
+    return json.dumps(payload)
+
+
+def _validated(reply: type[M], payload: Any) -> M:
+    """The reply model of an answer's body: JSON bytes (HTTP) or the decoded body of a stream reply."""
+    if isinstance(payload, (bytes, bytearray)):
+        return reply.model_validate_json(payload)
+    return reply.model_validate(payload)
+
+
+def _rejection(status: int, payload: Any) -> MasterRejectedError:
+    """The error of an answer with status ``status`` and an ErrorBody (or whatever came instead)."""
+    data = payload
+    if isinstance(payload, (bytes, bytearray)):
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return MasterRejectedError(status, "error", _text(payload)[:500])
+    if not isinstance(data, dict):
+        return MasterRejectedError(status, "error", _text(payload)[:500])
+    code, message = str(data.get("error", "error")), str(data.get("message", _text(payload)))
+    return MasterRejectedError(status, code, message)

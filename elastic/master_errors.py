@@ -38,7 +38,9 @@ class ErrorCode(str, Enum):
     INVALID_REQUEST = "invalid_request"  # malformed JSON, or a bad field or query parameter
     NOT_LEADER = "not_leader"  # a standby master (or one that lost its lease)
     BUSY = "busy"  # the master serves its maximum of connections (master.conn_guard)
-    NOT_FOUND = "not_found"  # no such path on this listener
+    NOT_FOUND = "not_found"  # no such path on this listener (or no such operation on the agent stream)
+    UPGRADE_REQUIRED = "upgrade_required"  # GET /v1/stream without the upgrade headers
+    INTERNAL_ERROR = "internal_error"  # the master failed to serve an agent-stream call (a bug; logged)
 
     # A member equals its wire text (str's __eq__) and must hash like it, so that tables keyed by members
     # answer lookups by the plain text a reply carries (Enum's own hash is that of the member's name).
@@ -75,6 +77,10 @@ ERROR_TABLE: dict[tuple[int, ErrorCode], Disposition] = {
     (422, ErrorCode.INVALID_REQUEST): Disposition.FINAL,
     (503, ErrorCode.NOT_LEADER): Disposition.RETRY,  # a standby: the client tries the next address
     (503, ErrorCode.BUSY): Disposition.RETRY,  # at its connection cap: later, or another master
+    (429, ErrorCode.BUSY): Disposition.RETRY,  # agent stream: too many calls pending on the connection
+    (404, ErrorCode.NOT_FOUND): Disposition.FINAL,  # agent stream: an operation this master does not know
+    (426, ErrorCode.UPGRADE_REQUIRED): Disposition.FINAL,
+    (500, ErrorCode.INTERNAL_ERROR): Disposition.RETRY,  # agent stream: the call failed in the master
 }
 
 

@@ -32,6 +32,15 @@ PROTOCOL_VERSION = 2
 MAX_BODY_BYTES = 64 * 1024
 #: Upper bound for any long-poll the master serves; clients ask for less and loop.
 LONG_POLL_CAP_S = 30.0
+#: The agent stream (docs/protocol.md, "The agent stream"): ``GET`` this path with ``Connection: Upgrade``
+#: and ``Upgrade:`` :data:`STREAM_UPGRADE` switches the connection to newline-delimited JSON frames that
+#: carry the node API's calls and replies, multiplexed (one connection per agent).
+STREAM_PATH = API_PREFIX + "/stream"
+STREAM_UPGRADE = "elastic-stream/1"
+#: Calls one stream connection may have pending (long-polls included); beyond, a call is answered 429 busy.
+STREAM_MAX_PENDING = 16
+#: Longest frame (one line, without its newline) the master reads; a longer one: 413, and the stream closes.
+STREAM_MAX_FRAME_BYTES = MAX_BODY_BYTES + 4096
 
 _ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$"
 #: Longest persist error an agent reports (the tail of it is kept).

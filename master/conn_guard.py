@@ -15,7 +15,9 @@ connections"):
   at most once per :data:`master.rate_limits.LOG_INTERVAL_S`, with the count of suppressed ones.
 
 The cap and the timeout live in :class:`GuardedH11Protocol`, uvicorn's h11 protocol (the one uvicorn
-picks without httptools) with three hooks, passed to uvicorn as ``Config(http=...)``."""
+picks without httptools) with three hooks, passed to uvicorn as ``Config(http=...)``. It also hands the
+agent stream's upgrade (``GET /v1/stream``, master.stream) to its endpoint: a stream connection stays
+counted (and under the cap) until it closes, and is never closed as idle."""
 
 from __future__ import annotations
 
@@ -27,14 +29,18 @@ import resource
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from elastic.master_errors import ErrorCode
 from elastic.protocol import ErrorBody
 from master.rate_limits import LogLimiter
 from master.settings import DEFAULT_HEADER_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from master.stream import StreamEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +55,8 @@ LISTEN_BACKLOG = 2048
 ACCEPTS_IN_FLIGHT = 4
 #: The smallest cap, whatever the limit (a master must answer a few agents to be of any use).
 MIN_CONNECTIONS = 16
-#: Connections one agent holds to the master (heartbeat, long-poll, reports).
-CONNECTIONS_PER_AGENT = 3
+#: Connections one agent holds to the master: its stream (master.stream) carries every call.
+CONNECTIONS_PER_AGENT = 1
 #: Below this hard open-file limit the start-up line is a warning that says how few agents fit.
 LOW_FD_LIMIT = 4096
 #: Used when the hard limit is unlimited (Linux refuses more than ``fs.nr_open``, 1048576 by default).
@@ -198,6 +204,7 @@ class GuardedH11Protocol(H11Protocol):
     makes): admitted or refused when the connection is made, timed until its first request."""
 
     guard: ConnectionGuard
+    stream: StreamEndpoint | None = None
     _refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -223,10 +230,25 @@ class GuardedH11Protocol(H11Protocol):
         self.guard.open -= 1
         super().connection_lost(exc)
 
+    def _should_upgrade(self) -> bool:
+        # uvicorn asks on every request head. The agent stream is the only upgrade this master makes (no
+        # WebSocket: ``ws="none"``); any other request, Upgrade header or not, goes to the app as a plain
+        # request (without uvicorn's warning line per such request).
+        return self.stream is not None and self.stream.wants(self)
 
-def guarded_protocol(guard: ConnectionGuard) -> type[GuardedH11Protocol]:
-    """A protocol class for ``uvicorn.Config(http=...)`` whose connections share ``guard``."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": guard})
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        # uvicorn's hook for "switch protocols now": here always the agent stream (see _should_upgrade).
+        self.guard.request_started(self)  # a request came: no first-request timer, never evicted as idle
+        if self.stream is not None:
+            self.stream.upgrade(self)
+
+
+def guarded_protocol(
+    guard: ConnectionGuard, stream: StreamEndpoint | None = None
+) -> type[GuardedH11Protocol]:
+    """A protocol class for ``uvicorn.Config(http=...)`` whose connections share ``guard``; with
+    ``stream``, ``GET /v1/stream`` upgrades to the agent stream (master.stream)."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": guard, "stream": stream})
 
 
 def resource_exhausted(exc: BaseException | None) -> bool:

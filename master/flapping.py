@@ -88,12 +88,11 @@ class FlapCounter:
         policy = self.policy
         if not policy.enabled or node_id in self.excluded:
             return None
-        times = [t for t in self.losses.get(node_id, []) if t > now - policy.window_s]
+        times = [t for t in self.losses.pop(node_id, []) if t > now - policy.window_s]
         times.append(now)
         if len(times) <= policy.limit:
-            self.losses[node_id] = times
+            self.losses[node_id] = times  # (re)inserted last: the ids are in the order of their last loss
             return None
-        self.losses.pop(node_id, None)
         exclusion = Exclusion(
             node_id, len(times), now, now + policy.cooldown_s, policy.window_s, policy.limit, host, nproc
         )
@@ -110,7 +109,12 @@ class FlapCounter:
         over = [e for e in self.excluded.values() if e.until <= now]
         for exclusion in over:
             del self.excluded[exclusion.node_id]
-        for node_id in [n for n, times in self.losses.items() if times[-1] <= now - self.policy.window_s]:
+        stale = []  # the ids whose last loss left the window: a prefix (see note), so O(stale) per tick
+        for node_id, times in self.losses.items():
+            if times[-1] > now - self.policy.window_s:
+                break
+            stale.append(node_id)
+        for node_id in stale:
             del self.losses[node_id]
         return over
 
@@ -129,5 +133,6 @@ class FlapCounter:
         """Load :meth:`snapshot` output (nothing for state written before flap counters existed)."""
         if not data:
             return
-        self.losses = {n: [float(t) for t in times] for n, times in data.get("losses", {}).items()}
+        losses = {n: [float(t) for t in times] for n, times in data.get("losses", {}).items() if times}
+        self.losses = dict(sorted(losses.items(), key=lambda item: item[1][-1]))  # by last loss (note)
         self.excluded = {e["node_id"]: Exclusion(**e) for e in data.get("excluded", [])}

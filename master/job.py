@@ -32,6 +32,7 @@ from master.job_errors import (
 )
 from master.job_events import NODE_LOSS
 from master.job_progress import (
+    note_checkpoint,
     note_persist,
     note_round_progress,
     refresh_aggregates,
@@ -83,6 +84,7 @@ class Job(JobState):
             self.record(
                 now, "node_replaced", f"node {req.node_id}: a new agent replaced the previous one ({why})"
             )
+            self.wake_long_polls(req.node_id)  # the previous agent's pending long-polls: its secret is void
             # Its agent restarted before the dead verdict: a loss like that verdict (master.flapping).
             if (flapped := self.flapping.note(req.node_id, now, node.host, node.nproc)) is not None:
                 self._remove(req.node_id, self._flap_line(flapped), "node_flapping_excluded", now, flapped)
@@ -144,13 +146,13 @@ class Job(JobState):
         self.authenticate(node, node_secret)
         if req.node_id not in self.succeeded:  # a finished node is no longer watched for liveness
             self.liveness.beat(req.node_id, now)
-        node.workers = list(req.workers)
+        node.note_workers(req.workers)
         note_persist(self, node, req, now)
         node.replication_port, node.replicated_step = req.replication_port, req.replicated_step
         node.replication_lag, node.replication_error = req.replication_lag, req.replication_error
         note_round_progress(self, node, req, now)
         if req.ckpt_step is not None and req.round == self.rdzv.round:
-            node.ckpt_step = req.ckpt_step  # the committed step follows in tick() (_refresh_aggregates)
+            note_checkpoint(self, node, req.ckpt_step)
         current_round = (
             req.round == self.rdzv.round
             and (req.term is None or req.term == self.round_term)
@@ -260,7 +262,7 @@ class Job(JobState):
                 f"node {node_id} is not excluded for flapping from job {self.settings.job_id}{final}"
             )
         self.record(now, "node_readmitted", f"node {node_id} re-admitted by an operator", node=node_id)
-        self.wake_long_polls()
+        self.wake_long_polls(node_id)
 
     # -- views ------------------------------------------------------------------------------------
     def info(self) -> JobInfo:
@@ -298,6 +300,7 @@ class Job(JobState):
         """Drop a node (``began_at``: when it was last seen alive, where detecting its loss started;
         ``flapped``: the exclusion that removes it, for its event's data)."""
         update_committed_step(self)  # while the node's report still counts
+        self.ckpt_floor.lose(node_id)
         was_member = self.rdzv.is_member(node_id) and node_id not in self.succeeded
         self.liveness.forget(node_id)
         self.rdzv.remove(node_id, now)
@@ -305,7 +308,7 @@ class Job(JobState):
         if node is None:
             return
         self.removed_count += 1
-        self.wake_long_polls()  # the removed node's own long-polls answer differently now
+        self.wake_long_polls(node_id)  # its own long-polls answer differently now (a member's: a round opens)
         began = now if began_at is None else began_at
         data = _flap_data(flapped) if flapped is not None else {}
         self.record(
@@ -338,7 +341,7 @@ class Job(JobState):
         """An exclusion of a node that is gone already (its loss was a dead verdict)."""
         line = self._flap_line(flapped)
         self.record(now, "node_flapping_excluded", line, node=flapped.node_id, data=_flap_data(flapped))
-        self.wake_long_polls()  # its agent's pending long-polls now answer "exclude"
+        self.wake_long_polls(flapped.node_id)  # its agent's pending long-polls now answer "exclude"
 
     def _readmit_expired(self, now: float) -> None:
         for over in self.flapping.expired(now):
@@ -349,7 +352,7 @@ class Job(JobState):
                 f"{over.until - over.since:g}s is over",
                 node=over.node_id,
             )
-            self.wake_long_polls()
+            self.wake_long_polls(over.node_id)
 
 
 def _flap_data(flapped: Exclusion) -> dict:

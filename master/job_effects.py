@@ -22,6 +22,10 @@ class Effects:
     persist: bool = False
     #: The answer of a pending ``/v1/round`` or ``/v1/watch`` long-poll may have changed.
     wake: bool = False
+    #: With ``wake``: only the long-polls of these nodes may answer differently (a node removed, excluded
+    #: or re-admitted), so only they are woken; None: every pending long-poll (a round opened or closed,
+    #: the job finished). A job of N nodes must not wake N long-polls for one node's change.
+    wake_only: frozenset[str] | None = None
     #: The job's durable version after these mutations.
     version: int = 0
 
@@ -31,13 +35,21 @@ class EffectsBuffer:
     """Accumulates effects between two drains (the job's private record)."""
 
     events: list[Event] = field(default_factory=list)
-    wake: bool = False
+    wake: bool = False  # every pending long-poll
+    wake_nodes: set[str] = field(default_factory=set)  # the long-polls of these nodes
     taken_version: int = 0
+    _quiet: Effects = field(default_factory=Effects)  # "nothing happened" at taken_version, reused
 
     def take(self, version: int) -> Effects:
         """Drain: the effects since the last take, given the job's current durable ``version``."""
-        effects = Effects(tuple(self.events), version != self.taken_version, self.wake, version)
+        if version == self.taken_version and not (self.events or self.wake or self.wake_nodes):
+            return self._quiet  # a steady heartbeat's (most calls): no new object
+        only = None if self.wake or not self.wake_nodes else frozenset(self.wake_nodes)
+        wake = self.wake or bool(self.wake_nodes)
+        effects = Effects(tuple(self.events), version != self.taken_version, wake, only, version)
         self.events.clear()
         self.wake = False
+        self.wake_nodes.clear()
         self.taken_version = version
+        self._quiet = Effects(version=version)
         return effects

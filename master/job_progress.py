@@ -11,13 +11,14 @@ from master.job_state import JobState
 from master.node_info import NodeInfo
 from master.recovery_phases import PHASES
 from master.rendezvous import Phase
-from master.stragglers import node_pace
 
 
 def refresh_aggregates(job: JobState, now: float) -> None:
-    """The committed step and the straggler flags. Each costs O(members), so they are computed from
-    tick() every AGGREGATE_PERIOD_S (and the committed step before a round opens), never per heartbeat:
-    that would make a heartbeat interval of N nodes cost O(N^2)."""
+    """The committed step, the persisted count and the straggler flags, computed from tick() every
+    AGGREGATE_PERIOD_S (and the committed step before a round opens and before a removal). The first two
+    cost O(1) (kept per report); the stragglers' median costs O(members) (paces are kept per heartbeat),
+    which is why this is periodic, never per heartbeat: that would make a heartbeat interval of N nodes
+    cost O(N^2)."""
     job.aggregates_at = now
     update_committed_step(job)
     update_persisted_count(job, now)
@@ -29,6 +30,8 @@ def note_persist(job: JobState, node: NodeInfo, req: HeartbeatRequest, now: floa
     recovers, never per step, so that a failing disk does not write the store at every heartbeat."""
     if req.persisted_step is not None:
         node.persisted_step = req.persisted_step
+        if job.persisted_newest is None or req.persisted_step > job.persisted_newest:
+            job.persisted_newest = req.persisted_step
     if req.persist_error and not node.persist_error:
         job.record(
             now,
@@ -50,34 +53,34 @@ def update_stragglers(job: JobState, now: float) -> None:
     """Re-judge the paces of the running round's members; an event per node that changed."""
     current = job.rdzv.current
     members = current.members if current is not None and job.rdzv.phase is Phase.ACTIVE else []
-    paces = {
-        n: node_pace(job.nodes[n].workers)
-        for n in members
-        if n in job.nodes and job.nodes[n].state is NodeState.RUNNING
-    }
+    nodes, running = job.nodes, NodeState.RUNNING
+    paces = {n: node.pace for n in members if (node := nodes.get(n)) is not None and node.state is running}
     for kind, message in job.stragglers.update(paces):
         job.record(now, kind, message)
 
 
+def note_checkpoint(job: JobState, node: NodeInfo, step: int) -> None:
+    """A node of the current round holds checkpoint ``step`` (the committed step follows in tick())."""
+    node.ckpt_step = step
+    job.ckpt_floor.report(node.node_id, step)
+
+
 def update_committed_step(job: JobState) -> None:
-    """The committed step only moves forward, and only when every member of the round holds it."""
-    current = job.rdzv.current
-    if current is None or job.rdzv.phase is not Phase.ACTIVE:
+    """The committed step only moves forward, and only when every member of the round holds it. O(1):
+    :class:`master.step_floor.StepFloor` follows the members' reports as they come."""
+    if job.rdzv.current is None or job.rdzv.phase is not Phase.ACTIVE:
         return
-    steps = [job.nodes[n].ckpt_step if n in job.nodes else None for n in current.members]
-    if steps and all(s is not None for s in steps):
-        newest = min(steps)
-        if job.committed_step is None or newest > job.committed_step:
-            # Soft state (rebuilt from heartbeats after a failover): no store write per step.
-            job.committed_step = newest
-            job.stats.checkpoints_committed += 1
+    newest = job.ckpt_floor.floor()
+    if newest is not None and (job.committed_step is None or newest > job.committed_step):
+        # Soft state (rebuilt from heartbeats after a failover): no store write per step.
+        job.committed_step = newest
+        job.stats.checkpoints_committed += 1
 
 
 def update_persisted_count(job: JobState, now: float) -> None:
     """Count the times the newest step some node made durable moved forward (soft state: counted with
     the next save, never a store write of its own)."""
-    steps = [n.persisted_step for n in job.nodes.values() if n.persisted_step is not None]
-    newest = max(steps, default=None)
+    newest = job.persisted_newest
     if newest is not None and (job.persisted_high is None or newest > job.persisted_high):
         if job.persisted_high is not None:
             job.stats.checkpoints_persisted += 1

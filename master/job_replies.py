@@ -8,12 +8,25 @@ from elastic.protocol import (
     CommandReply,
     Outcome,
 )
-from elastic.shard_layout import ring_targets
 from master.job_state import EXIT_FAILED, JobState
 from master.rendezvous import Phase
 
 
 def command_reply(job: JobState, command: Command) -> CommandReply:
+    """The reply naming ``command`` and the job's round. Replies are frozen, so one object per (command,
+    round, term) serves every node while the job runs (a steady heartbeat builds no model)."""
+    if job.outcome is not None:
+        return _build(job, command)
+    key = (command, job.rdzv.round, job.round_term)
+    reply = job.replies.get(key)
+    if reply is None:
+        if len(job.replies) >= 16:  # only the current round's few commands are asked for
+            job.replies.clear()
+        reply = job.replies[key] = _build(job, command)
+    return reply
+
+
+def _build(job: JobState, command: Command) -> CommandReply:
     return CommandReply(
         command=command,
         round=job.rdzv.round,
@@ -54,9 +67,16 @@ def exclude_reply(job: JobState, node_id: str) -> CommandReply:
 
 
 def replica_targets(job: JobState, node_id: str, replicas: int) -> list[str]:
-    """The replication endpoints of a node's ring successors in the current round (O(replicas))."""
+    """The replication endpoints of a node's ring successors in the current round (O(replicas)): those of
+    :func:`elastic.shard_layout.ring_targets`, found from the node's rank instead of a search."""
+    current = job.rdzv.current
+    slot = current.slot(node_id) if current is not None else None
+    if slot is None or replicas <= 0:
+        return []
+    members = current.members
+    count = min(replicas, len(members) - 1)
     peers = []
-    for peer in ring_targets(job.rdzv.current.members, node_id, replicas):
+    for peer in (members[(slot.node_rank + i) % len(members)] for i in range(1, count + 1)):
         info = job.nodes.get(peer)
         port = info.replication_port if info is not None else None
         host = info.host if info is not None else ""

@@ -92,7 +92,9 @@ def on_success(job: JobState, node: NodeInfo, now: float) -> None:
         round=job.rdzv.round,
         node=node.node_id,
     )
-    if set(job.rdzv.current.members) <= job.succeeded:
+    members = job.rdzv.current.members
+    # Counted first: a job of N nodes would otherwise compare N ids at each of its N successes.
+    if len(job.succeeded) >= len(members) and job.succeeded.issuperset(members):
         job.finish(Outcome(succeeded=True, exit_code=0, summary="all workers succeeded"), now)
 
 
@@ -112,7 +114,7 @@ def on_node_check(
         job.liveness.forget(excluded)
         job.rdzv.remove(excluded, now)
         job.excluded_nodes[excluded] = job.nodes.pop(excluded)
-        job.wake_long_polls()
+        job.wake_long_polls(excluded)
     left = [m for m in members if m not in job.node_check.excluded]
     if len(left) < job.settings.min_nodes:
         summary = (

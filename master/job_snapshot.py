@@ -87,8 +87,9 @@ def restore_into(job: JobState, data: dict, now: float) -> None:
         data.get("recovery"), current.number if active else None, current.members if active else []
     )
     job.node_check.restore(data.get("node_check"))
+    job.ckpt_floor.reset(current.members if active else ())  # the members' reports come with heartbeats
     for node_id, node in job.nodes.items():  # soft state: the first heartbeat tells; until then, the round
-        if active and node_id in current.members:
+        if active and current.has(node_id):
             node.round = current.number
             node.state = NodeState.SUCCEEDED if node_id in job.succeeded else NodeState.RUNNING
     job.flapping.restore(data.get("flapping"))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from elastic.job_settings import JobSettings
 from elastic.protocol import (
     NODE_SECRET_HEADER,
+    CommandReply,
     Outcome,
 )
 from master.credentials import matches
@@ -29,6 +30,7 @@ from master.node_check import NodeCheck
 from master.node_info import NodeInfo
 from master.recovery_phases import RecoveryTracker
 from master.rendezvous import Rendezvous
+from master.step_floor import StepFloor
 from master.stragglers import StragglerTracker
 
 EXIT_FAILED = 1
@@ -59,6 +61,7 @@ class JobState:
         self.nodes: dict[str, NodeInfo] = {}
         self.restart_count = 0
         self.committed_step: int | None = None  # newest checkpoint step every rank holds
+        self.ckpt_floor = StepFloor()  # the running round's members' checkpoint steps (soft state)
         self.outcome: Outcome | None = None
         self.events: deque[Event] = deque(maxlen=1000)
         self.event_count = 0  # events ever recorded (the deque keeps the newest)
@@ -70,6 +73,8 @@ class JobState:
         #: The term in which the current round number was opened: a round is ``(round_term, number)``.
         self.round_term = 0
         self._effects = EffectsBuffer()
+        #: Replies shared by every node (master.job_replies.command_reply): frozen models, built once.
+        self.replies: dict[tuple, CommandReply] = {}
         self.round_failed: set[int] = set()  # rounds whose failure was already counted
         self.pending_failure: PendingFailure | None = None
         self.succeeded: set[str] = set()  # members of the current round that finished
@@ -83,6 +88,7 @@ class JobState:
         self.goodput = GoodputAccount(started_at=now)
         self.recovery = RecoveryTracker()
         self.stats = JobStats()
+        self.persisted_newest: int | None = None  # newest persisted step any node reported (soft state)
         self.persisted_high: int | None = None  # newest persisted step seen (counts persisted checkpoints)
         self.persisted_at: float | None = None  # when it last moved forward (soft state)
         self.record(now, "job_started", f"job {settings.job_id} started (master {self.master_id})")
@@ -118,9 +124,13 @@ class JobState:
         check = self.node_check
         return check.mode != "off" and (number in check.rounds or not check.done)
 
-    def wake_long_polls(self) -> None:
-        """Note that pending ``/v1/round`` or ``/v1/watch`` answers may have changed (an effect)."""
-        self._effects.wake = True
+    def wake_long_polls(self, node_id: str | None = None) -> None:
+        """Note that pending ``/v1/round`` or ``/v1/watch`` answers may have changed (an effect): those of
+        ``node_id`` alone when given (its answers changed, nobody else's), else everyone's."""
+        if node_id is None:
+            self._effects.wake = True
+        else:
+            self._effects.wake_nodes.add(node_id)
 
     def forget_effects(self) -> None:
         """Drop the effects recorded so far (a restored job's stored events are not new)."""

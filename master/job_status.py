@@ -9,7 +9,6 @@ from elastic.protocol import (
 )
 from master.job_state import JobState
 from master.rendezvous import Phase
-from master.stragglers import node_pace
 from master.wait_reason import recent_events, waiting_reason
 
 
@@ -33,7 +32,7 @@ def job_status(job: JobState, now: float) -> JobStatus:
                 nproc=node.nproc,
                 step=node.step,
                 step_time_s=node.step_time_s,
-                compute_time_s=node_pace(node.workers).compute_time_s,
+                compute_time_s=node.pace.compute_time_s,
                 straggler=node.node_id in job.stragglers.flagged,
                 node_check=job.node_check.results.get(node.node_id),
                 node_check_verdict=verdict.describe() if verdict else "",

@@ -1,11 +1,17 @@
 """What the master knows of one node: durable facts (id, host, workers, state in its round, failures,
-credential hash) and soft state its heartbeats bring (progress, checkpoint, persist and replication)."""
+credential hash) and soft state its heartbeats bring (progress, checkpoint, persist and replication).
+
+Of its workers' progress reports the master keeps the figures it uses (the slowest worker's step and
+pace), not the reports: a 10,000-node job would otherwise hold 80,000 report objects, replaced at every
+heartbeat, for the garbage collector to go through."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from elastic.protocol import NodeState, WorkerFailure, WorkerProgress
+from master.stragglers import NO_PACE, Pace, node_pace
 
 
 @dataclass
@@ -18,7 +24,10 @@ class NodeInfo:
     state: NodeState = NodeState.WAITING
     round: int = 0
     failures: int = 0
-    workers: list[WorkerProgress] = field(default_factory=list)
+    #: Soft state from its workers' reports (:meth:`note_workers`): the slowest worker's step, and the
+    #: workers' pace (master.stragglers.node_pace), judged over all nodes every aggregate period.
+    step: int | None = None
+    pace: Pace = NO_PACE
     ckpt_step: int | None = None
     #: Hash of the current incarnation's secret (durable; master.credentials); never the secret itself.
     secret_hash: str = ""
@@ -33,14 +42,16 @@ class NodeInfo:
     joined_at: float | None = None  # when it last joined (a scale-up's detection starts there)
 
     @property
-    def step(self) -> int | None:
-        steps = [w.step for w in self.workers if w.step is not None]
-        return min(steps) if steps else None
-
-    @property
     def step_time_s(self) -> float | None:
-        times = [w.step_time_s for w in self.workers if w.step_time_s is not None]
-        return max(times) if times else None  # the node is as slow as its slowest worker
+        return self.pace.step_time_s  # the node is as slow as its slowest worker
+
+    def note_workers(self, workers: Sequence[WorkerProgress]) -> None:
+        """Keep what the master uses of a heartbeat's worker reports."""
+        steps = [w.step for w in workers if w.step is not None]
+        self.step = min(steps) if steps else None
+        pace = node_pace(workers)
+        if pace != self.pace:  # an equal one stays: no object kept per heartbeat then
+            self.pace = pace
 
 
 def describe_failure(node_id: str, failure: WorkerFailure) -> str:

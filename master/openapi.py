@@ -22,7 +22,15 @@ from typing import Any
 from fastapi import FastAPI
 
 from elastic.master_errors import ErrorCode
-from elastic.protocol import API_PREFIX, JOB_HEADER, MAX_BODY_BYTES, NODE_SECRET_HEADER, ErrorBody
+from elastic.protocol import (
+    API_PREFIX,
+    JOB_HEADER,
+    MAX_BODY_BYTES,
+    NODE_SECRET_HEADER,
+    STREAM_PATH,
+    STREAM_UPGRADE,
+    ErrorBody,
+)
 from master.rate_limits import FAILURE_LIMIT, FAILURE_WINDOW_S
 
 #: Name of the security scheme in ``components.securitySchemes``.
@@ -118,6 +126,26 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", f"{API_PREFIX}/watch"): Operation(_NODE),
     ("post", f"{API_PREFIX}/leave"): Operation(_NODE),
     ("get", f"{API_PREFIX}/status"): Operation((NOT_LEADER,)),
+    # The agent stream (master.stream): 101 and frames with the upgrade headers, 426 without.
+    ("get", STREAM_PATH): Operation(
+        (
+            Refusal(
+                426,
+                ErrorCode.UPGRADE_REQUIRED,
+                f"the request lacks `Connection: Upgrade` and `Upgrade: {STREAM_UPGRADE}` (or has a body)",
+            ),
+            Refusal(503, ErrorCode.NOT_LEADER, "a standby master (or one stepping down): ask another master"),
+        ),
+        answers=(
+            Answer(
+                101,
+                f"Switching Protocols: the connection carries the agent stream from now on ({STREAM_UPGRADE}:"
+                " newline-delimited JSON calls and replies, docs/protocol.md)",
+                headers=("Connection", "Upgrade"),
+            ),
+        ),
+        ok=False,
+    ),
     ("post", f"{API_PREFIX}/nodes/{{node_id}}/readmit"): Operation(
         (
             INVALID,

@@ -26,12 +26,14 @@ decision does.
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
 from elastic.job_settings import JobSettings
+from master.rounds import Candidate, ClosedRound, Slot
 
 #: Node ids a reason names before it says "and N more" (a 10,000-node job's reason stays one short line).
 NAMES_SHOWN = 3
@@ -47,6 +49,13 @@ def name_list(ids: Iterable[str], limit: int = NAMES_SHOWN) -> str:
     """``a, b, c and 7 more``: at most ``limit`` ids, then how many more there are."""
     ids = list(ids)
     shown = ", ".join(ids[:limit])
+    return shown if len(ids) <= limit else f"{shown} and {len(ids) - limit} more"
+
+
+def sorted_names(ids: Collection[str], limit: int = NAMES_SHOWN) -> str:
+    """:func:`name_list` of ``ids`` in sorted order, in O(len(ids)): the first ``limit`` are picked, not
+    all sorted (a round of 10,000 members names 3 of them)."""
+    shown = ", ".join(heapq.nsmallest(limit, ids))
     return shown if len(ids) <= limit else f"{shown} and {len(ids) - limit} more"
 
 
@@ -80,44 +89,6 @@ class Decision:
     until: float | None = None
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """A node that joined and waits for a round."""
-
-    node_id: str
-    host: str
-    nproc: int
-    store_port: int
-    joined_at: float
-
-
-@dataclass(frozen=True)
-class Slot:
-    """A member's place in a closed round."""
-
-    node_id: str
-    node_rank: int
-    rank_offset: int
-    nproc: int
-
-
-@dataclass(frozen=True)
-class ClosedRound:
-    number: int
-    slots: tuple[Slot, ...]
-    world_size: int
-    master_addr: str
-    master_port: int
-    closed_at: float
-
-    @property
-    def members(self) -> list[str]:
-        return [slot.node_id for slot in self.slots]
-
-    def slot(self, node_id: str) -> Slot | None:
-        return next((s for s in self.slots if s.node_id == node_id), None)
-
-
 class Rendezvous:
     """Rounds, membership and rank assignment of one job."""
 
@@ -132,6 +103,7 @@ class Rendezvous:
         self.current: ClosedRound | None = None  # last closed round
         self._joined: dict[str, Candidate] = {}  # insertion order = join order
         self._expected: set[str] = set()
+        self._pending: set[str] = set()  # expected members not joined yet (kept up to date: O(1) per join)
         self._min_reached_at: float | None = None
         self._growth_since: float | None = None
 
@@ -142,7 +114,7 @@ class Rendezvous:
         return list(self._joined)
 
     def is_member(self, node_id: str) -> bool:
-        return self.phase is Phase.ACTIVE and self.current is not None and node_id in self.current.members
+        return self.phase is Phase.ACTIVE and self.current is not None and self.current.has(node_id)
 
     def has_joined(self, node_id: str) -> bool:
         return node_id in self._joined
@@ -151,6 +123,7 @@ class Rendezvous:
     def join(self, candidate: Candidate, now: float) -> None:
         """Add (or refresh) a node on the join list of the open round or the wait list."""
         self._joined[candidate.node_id] = candidate
+        self._pending.discard(candidate.node_id)
         if self.opened_at is None:
             self.opened_at = now
         self._track_min(now)
@@ -160,6 +133,7 @@ class Rendezvous:
         """Forget a node that died or left (its slot in a running round stays until the next round)."""
         self._joined.pop(node_id, None)
         self._expected.discard(node_id)
+        self._pending.discard(node_id)
         self._track_min(now)
         self._track_growth(now)
 
@@ -170,6 +144,7 @@ class Rendezvous:
         self.phase = Phase.OPEN
         self.opened_at = now
         self._expected = set(expected)
+        self._pending = self._expected - self._joined.keys()
         self._min_reached_at = None
         self._growth_since = None
         self._track_min(now)
@@ -179,7 +154,7 @@ class Rendezvous:
         """Close the open round if its conditions hold (:meth:`decide`); returns the closed round or None."""
         if self.phase is not Phase.OPEN:
             return None
-        decision = self.decide(now)
+        decision = self._decide_open(now, explain=False)  # a CLOSE's reason is always complete
         if decision.action is not Action.CLOSE:
             return None
         self._close_why = decision.reason.split(": ", 1)[1]  # "closing with 2 nodes: <why>"
@@ -187,7 +162,7 @@ class Rendezvous:
 
     def growth_due(self, now: float) -> bool:
         """True when waiting nodes should be admitted into a new, larger round now."""
-        return self.phase is Phase.ACTIVE and self.decide(now).action is Action.GROW
+        return self.phase is Phase.ACTIVE and self._decide_active(now, explain=False).action is Action.GROW
 
     def decide(self, now: float) -> Decision:
         """What the rendezvous does at ``now``, and why; changes nothing (the transitions act on it)."""
@@ -245,6 +220,7 @@ class Rendezvous:
         else:  # the job narrows it to the nodes it still knows (restrict_expected)
             forming = self.phase is Phase.OPEN and self.current is not None
             self._expected = set(self.current.members) if forming else set()
+        self._pending = self._expected - self._joined.keys()
         self.opened_at = now if self.phase is Phase.OPEN else None
         self._min_reached_at = None
         self._growth_since = None
@@ -255,18 +231,23 @@ class Rendezvous:
     def restrict_expected(self, known: Iterable[str]) -> None:
         """Expect only ``known`` nodes back (after a restore: members removed since are not known)."""
         self._expected &= set(known)
+        self._pending &= self._expected
 
     # -- decisions --------------------------------------------------------------------------------
-    def _decide_open(self, now: float) -> Decision:
+    def _decide_open(self, now: float, explain: bool = True) -> Decision:
+        """``explain`` False: the same action, but a WAIT's reason is left empty (the transitions ask at every
+        join, and naming the members still expected back costs O(members): O(N^2) for a round of N)."""
         s = self.settings
         joined = len(self._joined)
         admitted = self._admissible(joined)
+        pending = self._pending
         if admitted < s.min_nodes or admitted == 0:
+            deadline = self.join_deadline()
+            if not explain:
+                return Decision(Action.WAIT, "", until=deadline)
             target = -(-s.min_nodes // s.node_unit) * s.node_unit  # min_nodes rounded up to the unit
             unit = f" in units of {s.node_unit}" if s.node_unit > 1 else ""
-            pending = sorted(n for n in self._expected if n not in self._joined)
-            back = f"; expected back: {name_list(pending)}" if pending else ""
-            deadline = self.join_deadline()
+            back = f"; expected back: {sorted_names(pending)}" if pending else ""
             return Decision(
                 Action.WAIT,
                 f"waiting for {max(target - joined, 1)} more {'node' if target - joined == 1 else 'nodes'} "
@@ -275,40 +256,43 @@ class Rendezvous:
             )
         if joined >= s.max_nodes:
             return _closing(admitted, f"the maximum of {_nodes(s.max_nodes)} joined")
-        pending = [n for n in self._expected if n not in self._joined]
         if self._expected and not pending:
             return _closing(admitted, "every member came back")
         # Live members that are still stopping their workers are waited for (a restart must not shrink
         # the world), but only up to the rejoin timeout: a member that never comes back is left out.
         rejoin_deadline = None if self.opened_at is None else self.opened_at + s.rejoin_timeout_s
         if pending and (rejoin_deadline is None or now < rejoin_deadline):
-            return Decision(
-                Action.WAIT,
-                f"waiting for {'member' if len(pending) == 1 else 'members'} {name_list(sorted(pending))} "
-                f"to rejoin" + self._until(rejoin_deadline),
-                until=rejoin_deadline,
-            )
-        left_out = f"; left out {name_list(sorted(pending))} (not back in time)" if pending else ""
+            who = f"{'member' if len(pending) == 1 else 'members'} {sorted_names(pending)}" if explain else ""
+            why = f"waiting for {who} to rejoin{self._until(rejoin_deadline)}" if explain else ""
+            return Decision(Action.WAIT, why, until=rejoin_deadline)
         last_call_end = None if self._min_reached_at is None else self._min_reached_at + s.last_call_s
-        if last_call_end is not None and now >= last_call_end:
-            return _closing(admitted, f"the last call ended{left_out}")
-        return Decision(
-            Action.WAIT,
-            f"last call: {joined} of at most {s.max_nodes} nodes joined, more may join"
-            + self._until(last_call_end)
-            + left_out,
-            admitted,
-            until=last_call_end,
+        closing = last_call_end is not None and now >= last_call_end
+        left_out = (
+            f"; left out {sorted_names(pending)} (not back in time)"
+            if pending and (explain or closing)
+            else ""
         )
+        if closing:
+            return _closing(admitted, f"the last call ended{left_out}")
+        why = (
+            f"last call: {joined} of at most {s.max_nodes} nodes joined, more may join"
+            f"{self._until(last_call_end)}{left_out}"
+            if explain
+            else ""
+        )
+        return Decision(Action.WAIT, why, admitted, until=last_call_end)
 
-    def _decide_active(self, now: float) -> Decision:
+    def _decide_active(self, now: float, explain: bool = True) -> Decision:
+        """``explain`` False: the same action without a reason (naming waiting nodes costs O(waiting))."""
         current = self.current
         if current is None:  # not reached: ACTIVE always has a closed round
             return Decision(Action.TRAIN, "training")
         members = len(current.slots)
+        waiting = self._joined
+        if self._growth_since is None and not explain:
+            return Decision(Action.TRAIN, "")
         why = f" ({self._close_why})" if self._close_why else ""
         head = f"closed: {_nodes(members)}, world size {current.world_size}{why}"
-        waiting = list(self._joined)
         if self._growth_since is None:
             if not waiting:
                 return Decision(Action.TRAIN, head)
@@ -319,9 +303,9 @@ class Rendezvous:
                 else f"a larger round needs a multiple of {s.node_unit} nodes"
             )
             verb = "waits" if len(waiting) == 1 else "wait"
-            return Decision(Action.TRAIN, f"{head}; {_names_of(waiting)} {verb}: {blocked}")
+            return Decision(Action.TRAIN, f"{head}; {_names_of(list(waiting))} {verb}: {blocked}")
         target = self._admissible(members + len(waiting))
-        names = _names_of(waiting)
+        names = _names_of(list(waiting)) if explain else ""
         if target >= self.settings.max_nodes:
             return Decision(
                 Action.GROW, f"admitting {names}: a round of {_nodes(target)} (the maximum)", target
@@ -367,7 +351,8 @@ class Rendezvous:
     def _close(self, admitted: int, now: float) -> ClosedRound:
         previous = self.current.members if self.current else []
         order = [n for n in previous if n in self._joined]
-        order += [n for n in self._joined if n not in order]
+        kept = set(order)
+        order += [n for n in self._joined if n not in kept]
         chosen = order[:admitted]
         slots: list[Slot] = []
         offset = 0
@@ -380,7 +365,7 @@ class Rendezvous:
         self.current = ClosedRound(self.round, tuple(slots), offset, master_addr, master_port, now)
         self.phase = Phase.ACTIVE
         self.opened_at = None
-        self._expected = set()
+        self._expected, self._pending = set(), set()
         self._min_reached_at = None
         self._growth_since = None
         self._track_growth(now)

@@ -37,6 +37,7 @@ def open_round(
     job.succeeded.clear()
     for node in job.nodes.values():
         node.ckpt_step = None  # checkpoint reports count per round; the committed step stays
+    job.ckpt_floor.reset(())
     number = job.rdzv.open_round(now, expected)
     job.wake_long_polls()  # members' watches answer "rejoin"
     data: dict = {}
@@ -91,6 +92,7 @@ def advance(job: JobState, now: float) -> None:
         if closed is not None:
             job.round_term = job.term  # assignments are first revealed now, under this term
             job.wake_long_polls()  # waiting nodes get their assignment
+            job.ckpt_floor.reset(closed.members)
             for slot in closed.slots:
                 job.nodes[slot.node_id].state = NodeState.STARTING
                 job.nodes[slot.node_id].round = closed.number

@@ -18,10 +18,11 @@ from elastic.master_errors import ErrorCode
 from elastic.protocol import (
     API_PREFIX,
     JOB_HEADER,
-    LONG_POLL_CAP_S,
     NODE_SECRET_HEADER,
     PROTOCOL_HEADER,
     PROTOCOL_VERSION,
+    STREAM_PATH,
+    STREAM_UPGRADE,
     CommandReply,
     ErrorBody,
     HeartbeatRequest,
@@ -33,12 +34,23 @@ from elastic.protocol import (
     ReadmitReply,
     RoundReply,
 )
+from master import api_ops
+from master.api_ops import (
+    DEFAULT_POLL_TIMEOUT_S,
+    NODE_ID_LIMITS,
+    TIMEOUT_LIMITS,
+    RoundQuery,
+    WatchQuery,
+    describe_errors,
+)
 from master.gatekeeper import Gatekeeper, bearer_token
 from master.http_errors import ApiError, http_status
 from master.job_errors import JobError
 from master.metrics import MetricsPortOnly, add_metrics_route
 from master.openapi import install as install_openapi
-from master.service import MasterService
+from master.rate_limits import PeerFailureLimiter
+from master.service import MasterService, disconnected
+from master.stream import StreamEndpoint
 from master.ui import install_ui
 from master.wire_compat import for_client, revision
 
@@ -68,18 +80,6 @@ ClientProtocol = Annotated[
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
     return JSONResponse(status_code=status, content=ErrorBody(error=code, message=message).model_dump())
-
-
-def _describe_validation(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:5]:
-        if err.get("type") == "json_invalid":  # loc holds a character position, not a field
-            detail = (err.get("ctx") or {}).get("error", "invalid JSON")
-            parts.append(f"body is not valid JSON (at character {err['loc'][-1]}): {detail}")
-            continue
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts) or "malformed request"
 
 
 def create_app(service: MasterService) -> FastAPI:
@@ -134,7 +134,7 @@ def create_app(service: MasterService) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(422, ErrorCode.INVALID_REQUEST, _describe_validation(exc))
+        return _error(422, ErrorCode.INVALID_REQUEST, describe_errors(exc.errors()))
 
     @app.exception_handler(HTTPException)
     async def _undecodable(request: Request, exc: HTTPException) -> JSONResponse:
@@ -146,88 +146,70 @@ def create_app(service: MasterService) -> FastAPI:
     job = service.leading_job
 
     def mutate(action: Callable[[], T]) -> T:
-        try:
-            return action()
-        finally:
-            service.changed()
-
-    def lost(node_id: str, node_secret: str | None) -> None:
-        """A node's long-poll connection closed before the answer (see Job.connection_lost)."""
-        if service.job is not None and service.store.leading:
-            mutate(lambda: service.job.connection_lost(node_id, service.clock(), node_secret))
+        return api_ops.mutate(service, action)
 
     @app.get(f"{API_PREFIX}/info")
     async def info() -> JobInfo:
-        return job().info()
-
-    async def stored(reply: T) -> T:
-        """Write-ahead: return ``reply`` once the store holds every durable fact it may reveal (the
-        node's credential, a round and its assignment, a verdict); a 503 if leadership is lost first."""
-        await service.stored()
-        return reply
+        return await api_ops.info(service)
 
     @app.post(f"{API_PREFIX}/join")
     async def join(req: JoinRequest, node_secret: NodeSecret = None) -> JoinReply:
-        try:
-            reply = mutate(lambda: job().join(req, service.clock(), node_secret))
-        except JobError:
-            await service.stored()  # a refusal may reveal durable state too (an exclusion for flapping)
-            raise
-        return await stored(reply)
+        return await api_ops.join(service, req, node_secret)
 
     @app.get(f"{API_PREFIX}/round")
     async def next_round(
         request: Request,
-        node_id: Annotated[str, Query(min_length=1, max_length=128)],
+        node_id: Annotated[str, Query(**NODE_ID_LIMITS)],
         after: Annotated[int, Query(ge=0)] = 0,
-        timeout: Annotated[float, Query(ge=0, le=LONG_POLL_CAP_S)] = 10.0,
+        timeout: Annotated[float, Query(**TIMEOUT_LIMITS)] = DEFAULT_POLL_TIMEOUT_S,
         node_secret: NodeSecret = None,
         protocol: ClientProtocol = None,
     ) -> RoundReply:
-        reply = await service.long_poll(
-            lambda: job().next_round(node_id, after, node_secret),
-            timeout,
-            request,
-            lambda: lost(node_id, node_secret),
-        )
-        reply = reply or await stored(RoundReply(status="waiting", round=job().rdzv.round))
+        query = RoundQuery.model_construct(node_id=node_id, after=after, timeout=timeout)
+        reply = await api_ops.next_round(service, query, node_secret, disconnected(request))
         return for_client(reply, revision(protocol))
 
     @app.post(f"{API_PREFIX}/heartbeat")
     async def heartbeat(
         req: HeartbeatRequest, node_secret: NodeSecret = None, protocol: ClientProtocol = None
     ) -> CommandReply:
-        service.health.heartbeat(service.clock())
-        reply = await stored(mutate(lambda: job().heartbeat(req, service.clock(), node_secret)))
-        return for_client(reply, revision(protocol))
+        return for_client(await api_ops.heartbeat(service, req, node_secret), revision(protocol))
 
     @app.get(f"{API_PREFIX}/watch")
     async def watch(
         request: Request,
-        node_id: Annotated[str, Query(min_length=1, max_length=128)],
+        node_id: Annotated[str, Query(**NODE_ID_LIMITS)],
         round: Annotated[int, Query(ge=0)],
-        timeout: Annotated[float, Query(ge=0, le=LONG_POLL_CAP_S)] = 10.0,
+        timeout: Annotated[float, Query(**TIMEOUT_LIMITS)] = DEFAULT_POLL_TIMEOUT_S,
         term: Annotated[int | None, Query(ge=0)] = None,
         node_secret: NodeSecret = None,
         protocol: ClientProtocol = None,
     ) -> CommandReply:
         """Long-poll: returns as soon as the node must do something other than continue. ``term``: the
         term of the node's round (its assignment's); omitted by agents that predate terms."""
-
-        def probe() -> CommandReply | None:
-            reply = job().watch(node_id, round, node_secret, term)
-            return None if reply.command.value == "continue" else reply
-
-        reply = await service.long_poll(probe, timeout, request, lambda: lost(node_id, node_secret))
-        reply = reply or await stored(job().watch(node_id, round, node_secret, term))
+        query = WatchQuery.model_construct(node_id=node_id, round=round, timeout=timeout, term=term)
+        reply = await api_ops.watch(service, query, node_secret, disconnected(request))
         return for_client(reply, revision(protocol))
 
     @app.post(f"{API_PREFIX}/leave")
     async def leave(
         req: LeaveRequest, node_secret: NodeSecret = None, protocol: ClientProtocol = None
     ) -> CommandReply:
-        mutate(lambda: job().leave(req.node_id, req.reason, service.clock(), node_secret))
-        return for_client(await stored(job().command_for(req.node_id, 0)), revision(protocol))
+        return for_client(await api_ops.leave(service, req, node_secret), revision(protocol))
+
+    @app.get(STREAM_PATH)
+    async def agent_stream() -> None:
+        """One connection per agent: this request with ``Connection: Upgrade`` and ``Upgrade:
+        elastic-stream/1`` switches the connection (101) to newline-delimited JSON frames that carry the
+        node API's calls (info, join, round, heartbeat, watch, leave) and their replies, multiplexed, with
+        the routes' validation, statuses and error bodies (docs/protocol.md, "The agent stream"). Without
+        the upgrade: 426."""
+        raise ApiError(
+            426,
+            ErrorCode.UPGRADE_REQUIRED,
+            f"{STREAM_PATH} needs the headers 'Connection: Upgrade' and 'Upgrade: {STREAM_UPGRADE}' "
+            "(and no body)",
+        )
 
     @app.get(f"{API_PREFIX}/status")
     async def status(protocol: ClientProtocol = None) -> JobStatus:
@@ -237,12 +219,16 @@ def create_app(service: MasterService) -> FastAPI:
     async def readmit(node_id: Annotated[str, Path(min_length=1, max_length=128)]) -> ReadmitReply:
         """The operator lifts a node's exclusion for flapping before its cool-down ends."""
         mutate(lambda: job().readmit(node_id, service.clock()))
-        return await stored(ReadmitReply(node_id=node_id, message=f"node {node_id} re-admitted"))
+        reply = ReadmitReply(node_id=node_id, message=f"node {node_id} re-admitted")
+        return await api_ops.stored(service, reply)
 
     add_metrics_route(app, service, bearer_token)  # GET /metrics, behind the token (master/metrics.py)
     install_ui(app, service)  # GET /ui: the status page, behind a login form (master/ui.py)
     if service.settings.metrics_port is not None:
         app.add_middleware(MetricsPortOnly, port=service.settings.metrics_port)
-    app.add_middleware(Gatekeeper, token=token, job_id=job_id)
+    failures = PeerFailureLimiter()  # wrong tokens per address, counted by the gate and the stream alike
+    app.add_middleware(Gatekeeper, token=token, job_id=job_id, failures=failures)
+    # The agent stream's endpoint, for the connection protocol (master.serving gives it to master.conn_guard).
+    app.state.agent_stream = StreamEndpoint(service, token, failures)
     install_openapi(app)  # every status each route can return, the bearer scheme (master/openapi.py)
     return app

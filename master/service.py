@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
@@ -32,32 +32,13 @@ from master.state_schema import describe as describe_unreadable
 from master.store import MemoryStore, StateFormatError, StateStore, StoreError
 from master.supervision import MasterFailure, Supervisor
 from master.wait_reason import ReasonLog
+from master.wakeups import Notifier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: Longest wait for the last save of a master that steps down (etcd slow or gone: the lease still goes).
 FINAL_SAVE_S = 2.0
-
-
-class Notifier:
-    """Wakes every waiter (a broadcast, unlike a single asyncio.Event); notified only when a long-poll's
-    answer may have changed (:meth:`master.job.Job.long_poll_key`).
-
-    A waiter takes a :meth:`ticket` *before* it checks the state and then waits on that ticket, so that a
-    notify between its check and its wait is not lost (it would otherwise sleep until its timeout: with
-    notifies only on real changes, nothing else would wake it)."""
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    def notify(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
-
-    def ticket(self) -> asyncio.Event:
-        """Set by the next :meth:`notify`."""
-        return self._event
 
 
 async def _wait_for(ticket: asyncio.Event, timeout: float) -> None:
@@ -179,8 +160,8 @@ class MasterService:
             log.info("%s: %s", event.kind, printable(event.message))  # messages quote nodes' own words
         if effects.persist and self._dirty is not None:
             self._dirty.set()
-        if effects.wake:
-            self.notifier.notify()  # only then can a pending long-poll's answer have changed
+        if effects.wake:  # only then can a pending long-poll's answer have changed; wake_only: whose
+            self.notifier.notify(effects.wake_only)
 
     def tick(self) -> None:
         # No verdicts from a term that may be over (e.g. "every node dead" right after a freeze).
@@ -289,6 +270,19 @@ class MasterService:
             self._saved = asyncio.Event()
         return self._saved
 
+    def holds_current_state(self) -> bool:
+        """Whether :meth:`stored` would return at once (the store is not durable, or holds the leading
+        job as it is now): a caller may then answer without waiting (the agent stream's heartbeats)."""
+        if not self.store.durable:
+            return True
+        job = self.job
+        return (
+            job is not None
+            and self.store.leading
+            and not self.stopping
+            and self._saved_version >= job.version
+        )
+
     async def stored(self) -> None:
         """Return once the store holds the job state as it is now. A reply that reveals durable state a
         client keeps (a node's new secret) waits for this, so that a master taking over knows what the
@@ -307,17 +301,21 @@ class MasterService:
         self,
         probe: Callable[[], T | None],
         timeout: float,
-        request: Request | None = None,
+        client_gone: Awaitable[object] | None = None,
         on_client_gone: Callable[[], None] | None = None,
+        key: str | None = None,
     ) -> T | None:
-        """Return ``probe()`` as soon as it is not None, or None after ``timeout`` (capped). With
-        ``request``, a client that disconnects ends the poll at once and ``on_client_gone`` is called."""
+        """Return ``probe()`` as soon as it is not None, or None after ``timeout`` (capped); ``key`` (a node
+        id): only changes that concern that node, or everyone, wake the poll (master.wakeups). With
+        ``client_gone`` (an awaitable of this poll's own, done once the client has disconnected, e.g.
+        :func:`disconnected`; cancelled when the poll ends), a client that disconnects ends the poll at
+        once and ``on_client_gone`` is called."""
         deadline = self.clock() + min(max(timeout, 0.0), LONG_POLL_CAP_S)
-        gone = asyncio.ensure_future(disconnected(request)) if request is not None else None
+        gone = asyncio.ensure_future(client_gone) if client_gone is not None else None
         self.health.long_polls_open += 1
         try:
             while True:
-                ticket = self.notifier.ticket()  # before the check: a change after it sets the ticket
+                ticket = self.notifier.ticket(key)  # before the check: a change after it sets the ticket
                 result = probe()
                 remaining = deadline - self.clock()
                 if result is not None:

@@ -116,7 +116,7 @@ def _uvicorn_server(app: FastAPI, settings: ServerSettings, service: MasterServi
     config = uvicorn.Config(
         app,
         # uvicorn's h11 protocol with the connection cap and the first-request timeout (master.conn_guard)
-        http=guarded_protocol(guard),
+        http=guarded_protocol(guard, getattr(app.state, "agent_stream", None)),  # + the agent stream
         backlog=accept_batch(limit.soft),  # bounds the descriptors accepted but not yet admitted
         log_level="warning",
         access_log=False,

@@ -34,12 +34,20 @@ class Pace:
     compute_time_s: float | None = None
 
 
+#: The pace of a node whose workers reported no step time yet.
+NO_PACE = Pace(None)
+
+
 def node_pace(workers: Iterable[WorkerProgress]) -> Pace:
-    """A node's pace from its workers' reports: the slowest worker's figures."""
-    workers = list(workers)
-    steps = [w.step_time_s for w in workers if w.step_time_s is not None]
-    computes = [w.compute_time_s for w in workers if w.compute_time_s is not None]
-    return Pace(max(steps) if steps else None, max(computes) if computes else None)
+    """A node's pace from its workers' reports: the slowest worker's figures. Computed once per heartbeat
+    (:attr:`master.node_info.NodeInfo.pace`), so a single pass."""
+    step = compute = None
+    for w in workers:
+        if w.step_time_s is not None and (step is None or w.step_time_s > step):
+            step = w.step_time_s
+        if w.compute_time_s is not None and (compute is None or w.compute_time_s > compute):
+            compute = w.compute_time_s
+    return Pace(step, compute) if step is not None or compute is not None else NO_PACE
 
 
 @dataclass(frozen=True)

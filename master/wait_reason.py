@@ -34,9 +34,8 @@ def waiting_reason(job: Job, now: float) -> str:
         if current.number in check.rounds and not check.done:
             pending = [m for m in current.members if m not in check.results]
             return f"node check: waiting for the results of {name_list(pending)}"
-        finished = [m for m in current.members if m in job.succeeded]
-        if finished:
-            return f"finishing: {len(finished)} of {len(current.members)} nodes are done"
+        if job.succeeded:  # members of this round only; counted, not listed: this runs at every tick
+            return f"finishing: {len(job.succeeded)} of {len(current.members)} nodes are done"
     return rdzv.decide(now).reason
 
 

@@ -5,7 +5,12 @@ A real ``elastic-master``, a real ``elastic-run`` agent and its gloo worker; bet
 this test that, for a window shorter than the heartbeat timeout, answers every request that arrives with
 500, 502 or 504 (in turn) and closes that connection; a request already relayed (a long-poll) goes on. The
 worker must keep its process and its steps: no restart, no repeated or skipped step, and the agent must have
-met the errors (the relay counts them)."""
+met the errors (the relay counts them).
+
+Both transports: plain HTTP (``ELASTIC_MASTER_STREAM=0``: every heartbeat is a request the relay can fail),
+and the agent stream, which the relay treats as a proxy treats an upgraded connection: a tunnel it passes
+through (a proxy cannot answer inside it); only new connections meet the 5xx. An agent whose stream is
+up opens none, so it meets none: the test checks that it kept that one connection and its worker."""
 
 from __future__ import annotations
 
@@ -51,6 +56,9 @@ class FaultyRelay:
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.failing = threading.Event()
         self.errors_sent = 0
+        #: Open connections the master switched to the agent stream (101): tunnels, never failed.
+        self.tunnels = 0
+        self.connections = 0
         self._open: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -88,16 +96,38 @@ class FaultyRelay:
             return
         with self._lock:
             self._open.update((client, upstream))
-        threading.Thread(target=_pump, args=(upstream, client), daemon=True).start()
-        self._forward(client, upstream)
+            self.connections += 1
+        tunnel = threading.Event()
+        threading.Thread(target=self._answers, args=(upstream, client, tunnel), daemon=True).start()
+        self._forward(client, upstream, tunnel)
         with self._lock:
             self._open.difference_update((client, upstream))
 
-    def _forward(self, client: socket.socket, upstream: socket.socket) -> None:
+    def _answers(self, upstream: socket.socket, client: socket.socket, tunnel: threading.Event) -> None:
+        """Master to client; a ``101`` first answer makes the connection a tunnel."""
+        first = True
+        try:
+            while data := upstream.recv(65536):
+                if first and data.startswith(b"HTTP/1.1 101 "):
+                    tunnel.set()
+                    with self._lock:
+                        self.tunnels += 1
+                first = False
+                client.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(upstream)
+            _close(client)
+            if tunnel.is_set():
+                with self._lock:
+                    self.tunnels -= 1
+
+    def _forward(self, client: socket.socket, upstream: socket.socket, tunnel: threading.Event) -> None:
         """Client to master, request by request (a request's bytes come in one read here: they are small)."""
         try:
             while data := client.recv(65536):
-                if self.failing.is_set():
+                if self.failing.is_set() and not tunnel.is_set():
                     self._answer_error(client)
                     break
                 upstream.sendall(data)
@@ -129,17 +159,6 @@ class FaultyRelay:
             pass
 
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while data := src.recv(65536):
-            dst.sendall(data)
-    except OSError:
-        pass
-    finally:
-        _close(src)
-        _close(dst)
-
-
 def _close(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
@@ -147,18 +166,25 @@ def _close(sock: socket.socket) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_an_agent_rides_through_500_502_504_without_restarting_its_workers(launch, tmp_path):
+@pytest.mark.parametrize("transport", ["http", "stream"])
+def test_an_agent_rides_through_500_502_504_without_restarting_its_workers(launch, tmp_path, transport):
     cluster = start_cluster(launch, tmp_path, "1:1")
     relay = FaultyRelay(cluster.address)
     try:
         agent = dataclasses.replace(cluster, address=relay.address).agent(
-            "node-a", train_args(steps=60, step_time=0.1)
+            "node-a",
+            train_args(steps=60, step_time=0.1),
+            env={"ELASTIC_MASTER_STREAM": "0"} if transport == "http" else None,
         )
         agent.wait_for(r"^\[rank0\]:step=10 loss", START_S)
         pids = agent.worker_pids()
         assert pids, "the worker runs"
+        connections = relay.connections
         relay.fail_for(FAILING_S)
-        assert relay.errors_sent >= 3, f"the agent met only {relay.errors_sent} 5xx answers"
+        if transport == "http":
+            assert relay.errors_sent >= 3, f"the agent met only {relay.errors_sent} 5xx answers"
+        else:  # one stream, opened before the fault and kept through it: nothing for the proxy to fail
+            assert relay.tunnels == 1 and relay.connections == connections, (relay.tunnels, connections)
         wait_until(lambda: agent.worker_pids() == pids and _last_step(agent) >= 20, START_S, "steps after")
         assert_succeeded(agent)
     finally:

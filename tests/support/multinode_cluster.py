@@ -50,7 +50,8 @@ class Cluster:
     token_file: Path
     ckpt_dir: Path
 
-    def agent(self, node_id: str, script: list[str]) -> Proc:
+    def agent(self, node_id: str, script: list[str], env: dict[str, str] | None = None) -> Proc:
+        """An ``elastic-run`` agent for ``node_id``; ``env``: variables added to the agents' environment."""
         argv = elastic_run_argv(
             "--nnodes",
             self.nnodes,  # the same as the master's
@@ -70,7 +71,7 @@ class Cluster:
             "2",
             *script,
         )
-        return self.launch(argv, name=f"agent-{node_id}", env=agent_env())
+        return self.launch(argv, name=f"agent-{node_id}", env={**agent_env(), **(env or {})})
 
     def status(self) -> dict:
         """``GET /v1/status`` as JSON."""

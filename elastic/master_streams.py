@@ -1,0 +1,152 @@
+"""The agent streams of one :class:`elastic.client.MasterClient`: at most one per master address, opened
+on first use and shared by every thread of the client (heartbeats, long-polls, the main loop), so that an
+agent holds one connection to its master (docs/protocol.md, "The agent stream").
+
+A master that answers the upgrade with 404 is of a release without the stream (426: a proxy on the way
+dropped the upgrade): that is remembered and the client speaks plain HTTP to it, until a request to that
+address fails (the master there may have been restarted as a newer release). ``ELASTIC_MASTER_STREAM=0``
+turns streams off (plain HTTP throughout, one connection per thread as before): for comparing and
+debugging.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from elastic.errors import MasterError
+from elastic.stream_client import StreamConnection, StreamRefused, StreamTimeout
+
+log = logging.getLogger(__name__)
+
+#: ``0`` (or ``false``, ``no``, ``off``): agents speak plain HTTP to their masters, no stream.
+STREAM_ENV = "ELASTIC_MASTER_STREAM"
+_OFF = frozenset({"0", "false", "no", "off"})
+#: Answers to the upgrade that mean "no stream here", remembered: 404, a master of an older release; 426,
+#: the upgrade headers were lost on the way (a proxy that does not pass upgrades on).
+_NO_STREAM = frozenset({404, 426})
+#: The master's own refusals of the upgrade (docs/protocol.md): the call's answer, as over HTTP. Any other
+#: status (a proxy's 400 or 502, say) sends that call over plain HTTP, without remembering it.
+_REFUSALS = frozenset({401, 409, 429, 503})
+
+
+def stream_wanted(environ: Mapping[str, str]) -> bool:
+    """Whether clients use the agent stream: yes unless :data:`STREAM_ENV` says no."""
+    return environ.get(STREAM_ENV, "").strip().lower() not in _OFF
+
+
+class NoStream(MasterError):
+    """The master at this address has no stream (it answered the upgrade 404): use plain HTTP."""
+
+
+class MasterStreams:
+    """One stream per master address of ``addresses`` (indexes into that list)."""
+
+    def __init__(self, addresses: list[str], headers: dict[str, str], tls: ssl.SSLContext | None) -> None:
+        self.addresses = addresses
+        self._headers = headers
+        self._tls = tls
+        self._lock = threading.Lock()  # the table of streams and of masters without one
+        self._streams: dict[int, StreamConnection] = {}
+        self._without: set[int] = set()  # addresses whose master answered the upgrade 404
+        # One opener per address: the threads that need a stream at once wait for it, none opens a second.
+        self._openers = [threading.Lock() for _ in addresses]
+
+    def offered(self, index: int) -> bool:
+        """False when the master at ``index`` is known to have no stream."""
+        return index not in self._without
+
+    def call(
+        self,
+        index: int,
+        op: str,
+        *,
+        timeout: float,
+        wait: float = 0.0,
+        secret: str | None = None,
+        query: dict[str, Any] | None = None,
+        body_json: str | None = None,
+    ) -> tuple[int, Any]:
+        """``op`` on the stream to ``addresses[index]``, opened first if need be: ``(status, body)``.
+
+        ``timeout`` bounds opening (connect: at most 3 s) and the reply, which may take ``wait`` more (a
+        long-poll). An upgrade the master refuses (401, 409, 429, 503) comes back as that status and its body
+        (bytes); raises :class:`NoStream` (use HTTP) for other answers, or a
+        :class:`elastic.stream_client.StreamError` (transport)."""
+        try:
+            stream = self._stream(index, timeout)
+        except StreamRefused as exc:  # 401, 409 wrong_job, 429, 503 not_leader or busy: the call's answer
+            return exc.status, exc.body
+        return stream.call(op, timeout=timeout + wait, secret=secret, query=query, body_json=body_json)
+
+    def _stream(self, index: int, timeout: float) -> StreamConnection:
+        with self._lock:
+            stream = self._streams.get(index)
+        if stream is not None and not stream.closed:
+            return stream
+        opener = self._openers[index]
+        if not opener.acquire(timeout=timeout):  # another thread is still opening it: this call's time is up
+            raise StreamTimeout(f"the stream to the master at {self.addresses[index]} is still opening")
+        try:
+            with self._lock:
+                stream = self._streams.pop(index, None)
+            if stream is not None:
+                if not stream.closed:
+                    with self._lock:
+                        self._streams[index] = stream
+                    return stream
+                stream.close()  # over: its reader has ended; joined here
+            address = self.addresses[index]
+            try:
+                stream = StreamConnection.open(address, self._headers, tls=self._tls, timeout=timeout)
+            except StreamRefused as exc:
+                if exc.status in _NO_STREAM:
+                    why = f"HTTP {exc.status}"
+                    log.info("the master at %s offers no agent stream (%s): plain HTTP", address, why)
+                    with self._lock:
+                        self._without.add(index)
+                    raise NoStream(address) from None
+                if exc.status not in _REFUSALS:  # not the master's answer: a proxy's, say; HTTP this time
+                    raise NoStream(address) from None
+                raise
+            with self._lock:
+                self._streams[index] = stream
+            return stream
+        finally:
+            opener.release()
+
+    def stream_lacking_again(self, index: int) -> None:
+        """A plain request to ``index`` failed (a restart breaks one): ask for the stream again next time."""
+        with self._lock:
+            self._without.discard(index)
+
+    def drop(self, index: int) -> None:
+        """Close the stream to ``addresses[index]`` (it answered 503: it does not lead)."""
+        with self._lock:
+            stream = self._streams.pop(index, None)
+        if stream is not None:
+            stream.close()
+
+    def keep_only(self, index: int) -> None:
+        """Close the streams to every other address: the master at ``index`` answered, so it leads."""
+        with self._lock:
+            if not self._streams or self._streams.keys() == {index}:
+                return
+            others = [self._streams.pop(i) for i in list(self._streams) if i != index]
+        for stream in others:
+            stream.close()
+
+    def open_count(self) -> int:
+        """How many streams are open now."""
+        with self._lock:
+            return sum(not stream.closed for stream in self._streams.values())
+
+    def close(self) -> None:
+        """Close every stream (their pending calls fail); a later call opens a new one."""
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.close()
