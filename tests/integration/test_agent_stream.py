@@ -12,18 +12,16 @@ import asyncio
 import json
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import pytest
 from certs import LOCAL_NAMES, CertAuthority
 from e2e import unique_job, wait_until
+from embedded_masters import EmbeddedMasters, no_thread_left
 from stream_socket import StreamSocket, upgrade_request
 
-from elastic.job_settings import JobSettings
 from elastic.protocol import (
     JOB_HEADER,
     NODE_SECRET_HEADER,
@@ -34,7 +32,6 @@ from elastic.protocol import (
 )
 from master.rate_limits import FAILURE_LIMIT
 from master.serving import EmbeddedMaster
-from master.settings import ServerSettings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,29 +52,11 @@ def beat_body(node_id: str, round_: int = 0, state: str = "waiting", **fields: A
     return dict(node_id=node_id, round=round_, state=state, **fields)
 
 
-class Masters:
+class Masters(EmbeddedMasters):
     """Starts masters for one test and opens streams and HTTP clients to them; :meth:`close` undoes it."""
 
-    def __init__(self) -> None:
-        self.masters: list[EmbeddedMaster] = []
-        self._closers: list[Callable[[], None]] = []
-
-    def start(self, store=None, **values: Any) -> EmbeddedMaster:
-        job = dict(
-            job_id=JOB_ID,
-            min_nodes=2,
-            max_nodes=2,
-            last_call_s=60.0,
-            heartbeat_interval_s=1.0,
-            heartbeat_timeout_s=60.0,
-            join_timeout_s=600.0,
-        )
-        server = {k: values.pop(k) for k in list(values) if k in ServerSettings.__dataclass_fields__}
-        job.update(values)
-        settings = ServerSettings(job=JobSettings(**job), token=TOKEN, host="127.0.0.1", port=0, **server)
-        master = EmbeddedMaster(settings, store=store)
-        self.masters.append(master)
-        return master.start()
+    token = TOKEN
+    job_id = JOB_ID
 
     def stream(
         self,
@@ -89,33 +68,14 @@ class Masters:
         **request: Any,
     ) -> StreamSocket:
         """A stream to ``master`` (or its refusal: see ``.answer``)."""
-        stream = StreamSocket.open(
-            (master.host, master.port), upgrade_request(token, job_id, **request), first, tls=tls
-        )
-        self._closers.append(stream.close)
-        return stream
-
-    def http(self, master: EmbeddedMaster) -> httpx.Client:
-        client = httpx.Client(base_url=f"http://{master.address}", headers=AUTH, trust_env=False, timeout=30)
-        self._closers.append(client.close)
-        return client
-
-    def close(self) -> None:
-        for close in self._closers:
-            close()
-        for master in self.masters:
-            master.stop()
+        request_bytes = upgrade_request(token, job_id, **request)
+        return self.keep(StreamSocket.open((master.host, master.port), request_bytes, first, tls=tls))
 
 
 @pytest.fixture
 def masters() -> Iterator[Masters]:
-    before = set(threading.enumerate())
-    helper = Masters()
-    try:
+    with no_thread_left(), Masters() as helper:
         yield helper
-    finally:
-        helper.close()
-    wait_until(lambda: not set(threading.enumerate()) - before, 10, "the master's threads to end")
 
 
 def opened(stream: StreamSocket) -> StreamSocket:

@@ -8,14 +8,13 @@ from __future__ import annotations
 import errno
 import logging
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from certs import LOCAL_NAMES, CertAuthority
-from e2e import wait_until
+from embedded_masters import no_thread_left
 
 from elastic.job_settings import JobSettings
 from elastic.master_errors import Disposition, ErrorCode, disposition
@@ -117,7 +116,6 @@ def test_busy_and_a_repeated_wrong_token_are_in_the_error_table() -> None:
 # -- a real master -------------------------------------------------------------------------------------
 @pytest.fixture
 def start_master() -> Iterator:
-    before = set(threading.enumerate())
     masters: list[EmbeddedMaster] = []
 
     def start(**settings) -> EmbeddedMaster:
@@ -127,10 +125,10 @@ def start_master() -> Iterator:
         masters.append(master.start())
         return master
 
-    yield start
-    for master in masters:
-        master.stop()
-    wait_until(lambda: not set(threading.enumerate()) - before, 10, "the master's threads to end")
+    with no_thread_left():
+        yield start
+        for master in masters:
+            master.stop()
 
 
 def connect(master: EmbeddedMaster) -> socket.socket:

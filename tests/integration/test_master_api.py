@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from e2e import wait_until
+from embedded_masters import EmbeddedMasters, no_thread_left
 
 from elastic.client import MasterClient, MasterRejectedError
 from elastic.job_settings import JobSettings
@@ -51,61 +51,21 @@ PROMPT_S = 2.0
 LONG_POLL_S = 20.0
 
 
-class Api:
+class Api(EmbeddedMasters):
     """Starts masters and opens clients for one test; :meth:`close` undoes all of it."""
 
-    def __init__(self) -> None:
-        self.masters: list[EmbeddedMaster] = []
-        self._closers: list[Callable[[], None]] = []
-
-    def start(self, **job: Any) -> EmbeddedMaster:
-        values: dict[str, Any] = dict(
-            job_id=JOB_ID,
-            min_nodes=2,
-            max_nodes=2,
-            last_call_s=60.0,
-            heartbeat_interval_s=1.0,
-            heartbeat_timeout_s=60.0,
-            join_timeout_s=600.0,
-        )
-        values.update(job)
-        settings = ServerSettings(job=JobSettings(**values), token=TOKEN, host="127.0.0.1", port=0)
-        master = EmbeddedMaster(settings)
-        self.masters.append(master)
-        return master.start()
+    token = TOKEN
+    job_id = JOB_ID
+    http_timeout = httpx.Timeout(LONG_POLL_CAP_S + 10, connect=5.0)
 
     def client(self, master: EmbeddedMaster, token: str = TOKEN) -> MasterClient:
-        client = MasterClient([master.address], JOB_ID, token, request_timeout=10.0)
-        self._closers.append(client.close)
-        return client
-
-    def http(self, master: EmbeddedMaster, headers: dict[str, str] | None = None) -> httpx.Client:
-        """A raw client; ``headers`` replace the default auth headers (``{}`` sends none)."""
-        http = httpx.Client(
-            base_url=f"http://{master.address}",
-            headers=AUTH if headers is None else headers,
-            trust_env=False,
-            timeout=httpx.Timeout(LONG_POLL_CAP_S + 10, connect=5.0),
-        )
-        self._closers.append(http.close)
-        return http
-
-    def close(self) -> None:
-        for close in self._closers:
-            close()
-        for master in self.masters:
-            master.stop()
+        return self.keep(MasterClient([master.address], JOB_ID, token, request_timeout=10.0))
 
 
 @pytest.fixture
 def api() -> Iterator[Api]:
-    before = set(threading.enumerate())
-    helper = Api()
-    try:
+    with no_thread_left(), Api() as helper:
         yield helper
-    finally:
-        helper.close()
-    wait_until(lambda: not set(threading.enumerate()) - before, 10, "the master's threads to end")
 
 
 def join_body(node_id: str = "b", **overrides: Any) -> dict[str, Any]:

@@ -12,12 +12,11 @@ import asyncio
 import os
 import re
 import signal
-import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import aetcd
 import e2e
@@ -26,15 +25,14 @@ import psutil
 import pytest
 from certs import LOCAL_NAMES, CertAuthority, write_cert, write_key
 from e2e import wait_until
+from embedded_masters import EmbeddedMasters, no_thread_left
 from fake_nodes import RealMaster, start_master
 
 import elastic.stream_transport
 from elastic.client import MasterClient, MasterRejectedError, MasterUnreachableError
-from elastic.job_settings import JobSettings
 from elastic.protocol import JOB_HEADER, Command, HeartbeatRequest, JoinRequest, NodeState
 from master.etcd_store import EtcdStore
 from master.serving import EmbeddedMaster
-from master.settings import ServerSettings
 
 launch = e2e.launch
 
@@ -43,54 +41,34 @@ TOKEN = "stream-client-token"
 LONG_POLL_S = 20.0
 
 
-class Masters:
+class Masters(EmbeddedMasters):
     """Starts masters and clients for one test; :meth:`close` undoes all of it."""
 
+    token = TOKEN
+    job: ClassVar[dict[str, Any]] = dict(
+        min_nodes=1, max_nodes=1, last_call_s=0.1, heartbeat_interval_s=1.0, heartbeat_timeout_s=60.0
+    )
+
     def __init__(self) -> None:
+        super().__init__()
         self.job_id = f"stream-{uuid.uuid4().hex[:8]}"
-        self.masters: list[EmbeddedMaster] = []
-        self.clients: list[MasterClient] = []
 
     def start(
         self, *, store_url: str | None = None, job_id: str | None = None, **server: Any
     ) -> EmbeddedMaster:
-        job = JobSettings(
-            job_id=job_id or self.job_id,
-            min_nodes=1,
-            max_nodes=1,
-            last_call_s=0.1,
-            heartbeat_interval_s=1.0,
-            heartbeat_timeout_s=60.0,
-        )
+        job_id = job_id or self.job_id
         if store_url is not None:  # masters of one job on one etcd: one leads, the others stand by
-            server["store_url"] = f"etcd://{store_url}"
-        settings = ServerSettings(job=job, token=TOKEN, host="127.0.0.1", port=0, **server)
-        store = EtcdStore(store_url, job.job_id, lease_ttl_s=2) if store_url is not None else None
-        master = EmbeddedMaster(settings, store=store)
-        self.masters.append(master)
-        return master.start()
+            server.update(store=EtcdStore(store_url, job_id, lease_ttl_s=2), store_url=f"etcd://{store_url}")
+        return super().start(job_id=job_id, **server)
 
     def client(self, *addresses: str, **options: Any) -> MasterClient:
-        client = MasterClient(list(addresses), self.job_id, TOKEN, request_timeout=5.0, **options)
-        self.clients.append(client)
-        return client
-
-    def close(self) -> None:
-        for client in self.clients:
-            client.close()
-        for master in self.masters:
-            master.stop()
+        return self.keep(MasterClient(list(addresses), self.job_id, TOKEN, request_timeout=5.0, **options))
 
 
 @pytest.fixture
 def masters() -> Iterator[Masters]:
-    before = set(threading.enumerate())
-    helper = Masters()
-    try:
+    with no_thread_left("the threads of the test to end"), Masters() as helper:
         yield helper
-    finally:
-        helper.close()
-    wait_until(lambda: not set(threading.enumerate()) - before, 10, "the threads of the test to end")
 
 
 def connections_to(address: str) -> int:
@@ -117,15 +95,15 @@ def long_polls_open(master: EmbeddedMaster) -> int:
     return master.service.health.long_polls_open
 
 
-@pytest.mark.timeout(60)
-def test_heartbeats_are_answered_while_a_watch_waits_on_the_same_single_connection(masters):
-    master = masters.start()
-    client = masters.client(master.address)
+def beats_beside_a_pending_watch(master: EmbeddedMaster, client: MasterClient, beats: int) -> None:
+    """Node "a" joins through ``client`` and sends ``beats`` heartbeats, each answered while its watch waits
+    at ``master``, all on one connection; closing the client fails the watch at once and leaves nothing
+    open."""
     round_number = join_round(client)
     with ThreadPoolExecutor(1) as pool:
         watch = pool.submit(client.watch, "a", round_number, LONG_POLL_S)
         wait_until(lambda: long_polls_open(master) == 1, 10, "the watch to wait at the master")
-        for _ in range(3):
+        for _ in range(beats):
             assert beat(client, round_number).command is Command.CONTINUE
         assert not watch.done(), "the watch still waits: the heartbeats were answered beside it"
         assert long_polls_open(master) == 1
@@ -134,6 +112,12 @@ def test_heartbeats_are_answered_while_a_watch_waits_on_the_same_single_connecti
         with pytest.raises(MasterUnreachableError):
             watch.result(10)
     assert connections_to(master.address) == 0
+
+
+@pytest.mark.timeout(60)
+def test_heartbeats_are_answered_while_a_watch_waits_on_the_same_single_connection(masters):
+    master = masters.start()
+    beats_beside_a_pending_watch(master, masters.client(master.address), beats=3)
 
 
 @pytest.mark.timeout(60)
@@ -219,7 +203,7 @@ def test_a_killed_master_connection_fails_the_pending_call_over_to_the_next_mast
     # The next master serves the same job with another token: a call that reaches it is refused 401.
     other = masters.start()
     client = MasterClient([doomed.address, other.address], doomed.job_id, doomed.token, request_timeout=5.0)
-    masters.clients.append(client)
+    masters.keep(client)
     round_number = join_round(client)
     with ThreadPoolExecutor(1) as pool:
         watch = pool.submit(client.watch, "a", round_number, LONG_POLL_S)
@@ -282,15 +266,4 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Pat
 def test_the_stream_runs_over_tls_heartbeats_beside_a_pending_watch(masters, tls_files):
     ca, cert, key = tls_files
     master = masters.start(tls_cert=str(cert), tls_key=str(key))
-    client = masters.client(master.address, tls_ca=str(ca))
-    round_number = join_round(client)
-    with ThreadPoolExecutor(1) as pool:
-        watch = pool.submit(client.watch, "a", round_number, LONG_POLL_S)
-        wait_until(lambda: long_polls_open(master) == 1, 10, "the watch to wait at the master")
-        for _ in range(20):
-            assert beat(client, round_number).command is Command.CONTINUE
-        assert not watch.done()
-        assert connections_to(master.address) == 1
-        client.close()
-        with pytest.raises(MasterUnreachableError):
-            watch.result(10)
+    beats_beside_a_pending_watch(master, masters.client(master.address, tls_ca=str(ca)), beats=20)
