@@ -28,7 +28,7 @@ NODE_SECRET_HEADER = "X-Elastic-Node-Secret"
 #: unknown fields in replies (this release ignores them, see :class:`_Reply`), and masters are upgraded
 #: while such agents train (docs/operations.md, rolling upgrade).
 PROTOCOL_HEADER = "X-Elastic-Protocol"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_BODY_BYTES = 64 * 1024
 #: Upper bound for any long-poll the master serves; clients ask for less and loop.
 LONG_POLL_CAP_S = 30.0
@@ -178,7 +178,12 @@ class Assignment(_Reply):
     master_port: int
     restart_count: int
     max_restarts: int
-    members: list[str] = Field(description="Node ids in rank order.")
+    members: list[str] = Field(
+        default_factory=list,
+        description="Node ids in rank order; sent only to clients of protocol revision 2 or older, which "
+        "need it: N members in each of N assignments would make a round's replies O(N^2) bytes (120 KB "
+        "each at 10,000 nodes). GET /v1/status lists the members.",
+    )
     committed_step: int | None = Field(
         default=None, description="Newest checkpoint step that every rank holds; workers restore it."
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,7 @@ from elastic.text import printable
 from master.clock import unix_monotonic
 from master.event_log import EventLog
 from master.fault_hook import InjectedFault
+from master.gc_pacing import GcPacer
 from master.http_errors import ApiError
 from master.job import Job
 from master.master_health import MasterHealth
@@ -37,6 +39,8 @@ from master.wakeups import Notifier
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: The share by which a long-poll of a second or more may end before its timeout (:func:`spread`).
+LONG_POLL_SPREAD = 0.25
 #: Longest wait for the last save of a master that steps down (etcd slow or gone: the lease still goes).
 FINAL_SAVE_S = 2.0
 
@@ -69,6 +73,8 @@ class MasterService:
         self.master_id = uuid.uuid4().hex[:12]
         self.job: Job | None = None  # None while standing by
         self._notifier: Notifier | None = None
+        #: Keeps full garbage collections off the heartbeat path (the daemon sets one: master.gc_pacing).
+        self.gc_pacer: GcPacer | None = None
         self._dirty: asyncio.Event | None = None
         self._lost: asyncio.Event | None = None
         self._saved_version = -1  # the current job's version that the store holds (see stored())
@@ -164,6 +170,8 @@ class MasterService:
             self.notifier.notify(effects.wake_only)
 
     def tick(self) -> None:
+        if self.gc_pacer is not None:
+            self.gc_pacer.tick()
         # No verdicts from a term that may be over (e.g. "every node dead" right after a freeze).
         if self.job is not None and self.store.leading and not self.stopping:
             if self._tick_fault_s is not None and self.clock() - self._led_since >= self._tick_fault_s:
@@ -305,12 +313,13 @@ class MasterService:
         on_client_gone: Callable[[], None] | None = None,
         key: str | None = None,
     ) -> T | None:
-        """Return ``probe()`` as soon as it is not None, or None after ``timeout`` (capped); ``key`` (a node
+        """Return ``probe()`` as soon as it is not None, or None after ``timeout`` (capped, and up to a
+        quarter shorter: :func:`spread`); ``key`` (a node
         id): only changes that concern that node, or everyone, wake the poll (master.wakeups). With
         ``client_gone`` (an awaitable of this poll's own, done once the client has disconnected, e.g.
         :func:`disconnected`; cancelled when the poll ends), a client that disconnects ends the poll at
         once and ``on_client_gone`` is called."""
-        deadline = self.clock() + min(max(timeout, 0.0), LONG_POLL_CAP_S)
+        deadline = self.clock() + spread(min(max(timeout, 0.0), LONG_POLL_CAP_S))
         gone = asyncio.ensure_future(client_gone) if client_gone is not None else None
         self.health.long_polls_open += 1
         try:
@@ -334,6 +343,13 @@ class MasterService:
             self.health.long_polls_open -= 1
             if gone is not None:
                 gone.cancel()
+
+
+def spread(timeout: float) -> float:
+    """A long-poll's wait, up to :data:`LONG_POLL_SPREAD` shorter than asked (at random): the nodes of a
+    round start their watches together, and without it they would all time out and poll again in the
+    same instant, every time (10,000 renewals at once delayed heartbeats by 300 ms)."""
+    return timeout * (1.0 - LONG_POLL_SPREAD * random.random()) if timeout >= 1.0 else timeout
 
 
 async def disconnected(request: Request) -> None:

@@ -32,6 +32,7 @@ from master.conn_guard import (
     resolve_cap,
     tls_handshake_timeout,
 )
+from master.gc_pacing import GcPacer
 from master.server import create_app
 from master.service import MasterService
 from master.settings import ServerSettings
@@ -147,6 +148,10 @@ def serve_forever(
 
     Raises :class:`MasterFailure` when a supervised task failed (the master resigned first)."""
     service = MasterService(settings, store=store, tick_fault_s=tick_fault_s)
+    # The daemon's process is the master's alone: it may pace the collector (not so in elastic-run, whose
+    # embedded master shares the agent's process).
+    service.gc_pacer = GcPacer()
+    service.gc_pacer.start()
     server = _uvicorn_server(create_app(service), settings, service)
     server.run(sockets=[sock] + ([metrics_sock] if metrics_sock is not None else []))
     if service.failure is not None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from elastic.job_settings import JobSettings
 
 #: Default ``--header-timeout`` (docs/operations.md, "Open files and connections").
-DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_HEADER_TIMEOUT_S = 8.0
 
 
 @dataclass(frozen=True)

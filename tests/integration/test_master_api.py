@@ -396,6 +396,24 @@ def test_a_round_is_named_by_term_and_number_on_the_wire(api: Api):
     assert client.watch("a", 1, 0).command is Command.REJOIN
 
 
+def test_an_assignment_lists_the_members_only_for_clients_of_revision_2_or_older(api: Api):
+    """Revision 3 leaves the member list out of assignments (N ids to each of N nodes: O(N^2) bytes per
+    round); agents of revisions 1 and 2 require it and still get it, over HTTP as over the stream."""
+    master = api.start(min_nodes=2, max_nodes=2)
+    client = api.client(master)
+    for node in ("a", "b"):
+        client.join(join_req(node))
+    assert client.next_round("a", 0, 5.0).assignment.members == [], "this release's client: no list"
+    http = api.http(master)
+    secret = {NODE_SECRET_HEADER: client._secrets["b"]}
+    query = dict(node_id="b", after=0, timeout=0)
+    for revision, members in ((PROTOCOL_VERSION, None), (2, ["a", "b"]), (1, ["a", "b"])):
+        headers = {**AUTH, **secret, **({PROTOCOL_HEADER: str(revision)} if revision > 1 else {})}
+        assignment = http.get("/v1/round", params=query, headers=headers).json()["assignment"]
+        assert assignment.get("members") == members, (revision, assignment)
+        assert assignment["nnodes"] == 2 and assignment["node_rank"] == 1
+
+
 def test_requests_for_a_node_need_the_secret_its_join_returned(api: Api):
     """The X-Elastic-Node-Secret header over HTTP: 403 bad_node_secret without it (nothing changes), 409
     duplicate_node for a second join under the id, and the same secret on a rejoin that carries it."""

@@ -1,0 +1,131 @@
+"""The master side of bench/control_plane.py: its command line, whether it offers the stream, its CPU and
+open files, its event log, and what it does with connections that send nothing."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from pathlib import Path
+
+import psutil
+
+from bench import common as c
+from elastic.protocol import JOB_HEADER, STREAM_PATH, STREAM_UPGRADE
+
+START_S = 60.0
+
+
+def master_argv(args: argparse.Namespace, port: int, job: str, token_file: Path, events: Path) -> list[str]:
+    return c.master_argv(args.master_cmd) + [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--job-id",
+        job,
+        "--nnodes",
+        str(args.nodes),
+        "--token-file",
+        str(token_file),
+        "--heartbeat-interval",
+        str(args.heartbeat_interval),
+        "--heartbeat-timeout",
+        str(args.heartbeat_timeout),
+        "--header-timeout",
+        str(args.header_timeout),
+        "--event-log",
+        str(events),
+    ]
+
+
+def offers_stream(port: int, token: str, job: str) -> tuple[bool, int]:
+    """Whether the master answers the stream upgrade with 101; (offered, the status it answered)."""
+    head = (
+        f"GET {STREAM_PATH} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: Upgrade\r\n"
+        f"Upgrade: {STREAM_UPGRADE}\r\nAuthorization: Bearer {token}\r\n{JOB_HEADER}: {job}\r\n\r\n"
+    )
+    data = b""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head.encode())
+        while b"\r\n" not in data and (chunk := sock.recv(256)):
+            data += chunk
+    parts = data.split(b" ", 2)
+    status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+    return status == 101, status
+
+
+def wait_listening(proc: c.Launched, port: int) -> str | None:
+    """None once the master listens; why not otherwise."""
+    if not c.wait_until(lambda: c.port_open(port) or not proc.alive(), START_S):
+        return "the master did not listen"
+    return None if proc.alive() else f"the master exited: {proc.output()[-500:]}"
+
+
+def count_events(
+    path: Path, kind: str, since: float = 0.0, until: float = float("inf"), master_log: Path | None = None
+) -> int:
+    """Events of ``kind`` between wall times ``since`` and ``until``, from a master's event log
+    (``--event-log``) and from its own log (each event is logged as ``KIND: message``): the larger count,
+    since the event log skips events when more happen between two of its writes than the stored state keeps
+    (it says so: "events N-M are missing")."""
+    logged = 0
+    if master_log is not None and master_log.exists():
+        marker = f"] {kind}: "
+        for line in master_log.read_text(errors="replace").splitlines():
+            if marker in line:
+                with contextlib.suppress(ValueError):
+                    at = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1e3
+                    logged += since <= at < until
+    n = 0
+    if path.exists():
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                n += event.get("kind") == kind and since <= event.get("time", 0) < until
+    return max(n, logged)
+
+
+async def master_cpu(pid: int, t0: float, t1: float) -> float:
+    """The master's CPU seconds (user + system, its own process) between wall times t0 and t1."""
+    proc = psutil.Process(pid)
+    await asyncio.sleep(max(0.0, t0 - time.time()))
+    c0 = sum(proc.cpu_times()[:2])
+    await asyncio.sleep(max(0.0, t1 - time.time()))
+    return sum(proc.cpu_times()[:2]) - c0
+
+
+async def idle_connections(port: int, count: int, limit: float) -> tuple[float | None, int]:
+    """Open ``count`` connections that send nothing; (seconds until the master closed the last one, or
+    None if some were still open after ``limit``; how many it closed)."""
+    t0 = time.monotonic()
+    held = []
+    for _ in range(count):
+        with contextlib.suppress(OSError):
+            held.append(await asyncio.open_connection("127.0.0.1", port))
+
+    async def closed(reader: asyncio.StreamReader) -> float:
+        with contextlib.suppress(OSError):
+            while await reader.read(4096):  # until EOF (after a 408 or 503, if the master sends one)
+                pass
+        return time.monotonic() - t0
+
+    waits = [asyncio.create_task(closed(reader)) for reader, _ in held]
+    done, pending = await asyncio.wait(waits, timeout=limit)
+    for task in pending:
+        task.cancel()
+    for _, writer in held:
+        writer.close()
+    if pending or not done:
+        return None, len(done)
+    return max(t.result() for t in done), len(done)
+
+
+def num_fds(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).num_fds()
+    except psutil.Error:
+        return None
