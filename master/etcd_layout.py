@@ -77,8 +77,25 @@ class LayoutError(ValueError):
     """The stored records do not form a state (a missing chunk or node record); one line."""
 
 
+#: One encoder for every record (``json.dumps`` with options builds a new one per call).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
+
+
 def _dump(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
+    return _ENCODER.encode(value).encode()
+
+
+def _dumped_size(item: Any) -> int:
+    """``len(_dump(item))``; for a plain printable ASCII string (a node id) without encoding it."""
+    if (
+        isinstance(item, str)
+        and item.isascii()
+        and item.isprintable()
+        and '"' not in item
+        and "\\" not in item
+    ):
+        return len(item) + 2
+    return len(_dump(item))
 
 
 def _item_key(item: Any) -> str:
@@ -103,7 +120,7 @@ def chunk_items(items: list[Any], average: int = CHUNK_ITEMS) -> list[list[Any]]
     size = 0
     for item in items:
         current.append(item)
-        size += len(_dump(item)) + 1
+        size += _dumped_size(item) + 1
         if _boundary(_item_key(item), average) or len(current) >= MAX_CHUNK_ITEMS or size >= MAX_CHUNK_BYTES:
             out.append(current)
             current, size = [], 0
@@ -163,9 +180,25 @@ def _parent(data: dict, path: tuple[str, ...]) -> dict | None:
     return data
 
 
+def _detached(snapshot: dict) -> dict:
+    """``snapshot`` with new dicts at the top and along the :data:`LISTS` paths (what :func:`encode` pops)."""
+    job = dict(snapshot)
+    for path in LISTS.values():
+        parent = job
+        for name in path[:-1]:
+            child = parent.get(name)
+            if not isinstance(child, dict):
+                break
+            parent[name] = dict(child)
+            parent = parent[name]
+    return job
+
+
 def encode(snapshot: dict) -> Records:
-    """The records of ``snapshot`` (a dict of :meth:`master.job.Job.snapshot`'s shape)."""
-    job = copy.deepcopy(snapshot)
+    """The records of ``snapshot`` (a dict of :meth:`master.job.Job.snapshot`'s shape), which stays as it
+    was: encoding pops the lists it stores apart from a copy of the dicts on their paths (the rest is only
+    read; a deep copy was half the cost of a save at 10,000 nodes)."""
+    job = _detached(snapshot)
     records: Records = {}
     lists: dict[str, list[Any]] = {}
 
