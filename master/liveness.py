@@ -71,6 +71,15 @@ class Liveness:
             self._last_seen[node_id] = now
         self._in_order = True  # all equal
 
+    def excuse(self, seconds: float) -> None:
+        """The master itself was stalled for ``seconds`` (heartbeats waited unread in its sockets): every
+        node's last heartbeat and suspicion deadline move that much later (order unchanged). O(nodes), for
+        a rare event."""
+        for node_id, seen in self._last_seen.items():
+            self._last_seen[node_id] = seen + seconds
+        for node_id, until in self._suspect_until.items():
+            self._suspect_until[node_id] = until + seconds
+
     def dead(self, now: float) -> list[str]:
         """Nodes whose last heartbeat is older than the timeout, or past their suspicion deadline; oldest
         heartbeat first."""

@@ -39,6 +39,8 @@ from master.wakeups import Notifier
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: A gap between two ticks (normally 0.1 s apart) longer than this is a stall of the master's own.
+STALL_S = 1.0
 #: The longest rest between two saves (see _persist_forever).
 MAX_SAVE_REST_S = 0.5
 #: The share by which a long-poll of a second or more may end before its timeout (:func:`spread`).
@@ -84,6 +86,7 @@ class MasterService:
         self._reasons = ReasonLog(log)  # the round's waiting reason, logged when it changes
         self._tick_fault_s = tick_fault_s
         self._led_since = 0.0
+        self._ticked_at: float | None = None  # the last tick while leading (see _excuse_stall)
         self._term_tasks: list[asyncio.Task] = []
         self._run_task: asyncio.Task | None = None
         self._stepping_down: asyncio.Task | None = None
@@ -180,9 +183,28 @@ class MasterService:
                 raise InjectedFault(
                     f"ELASTIC_MASTER_TICK_FAULT_S={self._tick_fault_s:g}: tick failure injected"
                 )
-            self.job.tick(self.clock())
+            now = self.clock()
+            self._excuse_stall(now)
+            self.job.tick(now)
             self.changed()
             self._reasons.note(self.job, self.clock())
+
+    def _excuse_stall(self, now: float) -> None:
+        """A tick more than :data:`STALL_S` after the previous one means the master's own loop stalled
+        (CPU starved, a long collection, the process stopped): the heartbeats of that time waited unread,
+        so no node is declared dead for them; the stall is an event, where the operator looks."""
+        last, self._ticked_at = self._ticked_at, now
+        job = self.job
+        if last is None or job is None or now - last <= STALL_S:
+            return
+        stalled = now - last
+        job.liveness.excuse(stalled)
+        job.record(
+            now,
+            "master_stalled",
+            f"master {self.master_id} did not run for {stalled:.1f}s (CPU starved, stopped or paused): "
+            "heartbeat ages extended by that much",
+        )
 
     async def run(self) -> None:
         """Lead the job whenever elected; tick and persist while leading; stand by otherwise."""
@@ -208,6 +230,7 @@ class MasterService:
                 else Job(job_settings, now, self.master_id, term)
             )
             self._led_since = now
+            self._ticked_at = None
             if self.event_log is not None:
                 self.event_log.resume()  # continue the file past what a previous leader wrote
             self._saved_version = -1
