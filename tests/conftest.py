@@ -12,6 +12,12 @@ import pytest
 from etcd_server import EtcdNotFoundError, EtcdServer
 from tools import MISSING_TOOL
 
+# The test process runs etcd clients (gRPC) in-process and also starts workers and agents (fork + exec).
+# gRPC's fork handlers are for children that go on using gRPC; with its threads busy at the moment of a
+# fork they may leave the child broken before its exec (a worker once died of SIGABRT that way). Set
+# before any gRPC import; gRPC's own advice for programs that always exec after fork.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 
 def _under_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
