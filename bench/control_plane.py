@@ -18,15 +18,21 @@ Failover run (unless ``--skip-failover``): a private etcd, two masters on it, th
 the leader is SIGKILLed and ``failover_serve_s`` is the time until the standby has answered a heartbeat of
 every node; dead verdicts after the takeover are counted.
 
+With ``--tls`` the masters serve https (a throwaway CA and a certificate for 127.0.0.1 made in the work
+folder by bench/tls_certs.py) and every fake node connects over TLS trusting that CA, in both runs; the
+figures (``"tls": true``) are then the TLS ones.
+
     python bench/control_plane.py --nodes 10000 --json cp10k.json
     python bench/control_plane.py --nodes 1000 --protocol http --skip-failover   # the HTTP baseline
     python bench/control_plane.py --quick                                       # 200 nodes, short windows
+    python bench/control_plane.py --nodes 10000 --tls --json cp10k-tls.json     # masters serving https
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import sys
 import time
@@ -39,6 +45,8 @@ if __package__ in (None, ""):
 
 from bench import common as c  # noqa: E402
 from bench.cp_master import (  # noqa: E402
+    HOST,
+    client_tls,
     count_events,
     idle_connections,
     master_argv,
@@ -65,21 +73,23 @@ async def main_run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         if why:
             return {**out, "error": why}
         token = token_file.read_text().strip()
-        stream, status = offers_stream(port, token, job)
+        stream, status = offers_stream(port, token, job, client_tls(args))
         if args.protocol == "stream" and not stream:
             return {**out, "error": f"the master answered the stream upgrade with {status}, not 101"}
         stream = stream and args.protocol != "http"
         out["protocol"] = "stream" if stream else "http"
         cfg = {
-            "addresses": [f"127.0.0.1:{port}"],
+            "addresses": [f"{HOST}:{port}"],
             "token": token,
             "job": job,
             "stream": stream,
             "interval": args.heartbeat_interval,
             "nnodes": args.nodes,
             "join_concurrency": args.join_concurrency,
+            "tls_ca": str(args.tls_files.ca) if args.tls_files else None,
         }
-        c.log(f"{args.nodes} fake nodes over {out['protocol']}, {args.procs} load-generator processes")
+        over = out["protocol"] + (" over TLS" if args.tls_files else "")
+        c.log(f"{args.nodes} fake nodes, {over}, {args.procs} load-generator processes")
         fleet = await Fleet.start(cfg, args.nodes, args.procs, folder)
         try:
             await measure(args, fleet, master.pid, port, out)
@@ -164,6 +174,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--assign-timeout", type=float, default=300.0, help="seconds for every node to be assigned"
     )
     p.add_argument("--idle-connections", type=int, default=200, help="idle TCP connections opened (0: none)")
+    p.add_argument("--tls", action="store_true", help="masters serve https (a throwaway CA); nodes use TLS")
     p.add_argument("--skip-failover", action="store_true", help="no etcd, no standby, no SIGKILL")
     p.add_argument("--skip-main", action="store_true", help="the failover run only")
     p.add_argument("--failover-nodes", type=int, default=None, help="fake nodes of the failover run")
@@ -174,14 +185,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--markdown-out", default=None, help="also write the report (markdown) to this file")
     p.add_argument("--json", default=None, metavar="FILE", help="write the figures as one JSON object")
     args = p.parse_args(argv)
-    args.nodes = args.nodes or (200 if args.quick else 10000)
-    args.duration = args.duration or (5.0 if args.quick else 300.0)
+    # `is None`, not `or`: --nodes 0 is an error below, not a 10,000-node run.
+    args.nodes = (200 if args.quick else 10000) if args.nodes is None else args.nodes
+    args.duration = (5.0 if args.quick else 300.0) if args.duration is None else args.duration
     if args.quick:
         args.idle_connections = min(args.idle_connections, 50)
     for name in ("nodes", "duration", "heartbeat_interval", "heartbeat_timeout", "header_timeout"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.tls and importlib.util.find_spec("cryptography") is None:
+        p.error("--tls makes its certificates with the cryptography package: pip install -e '.[test]'")
+    args.tls_files = None  # run(): the CA, certificate and key with --tls
     args.procs = args.procs or max(1, min(8, -(-args.nodes // 2500)))
+    if args.failover_nodes is not None and args.failover_nodes <= 0:
+        p.error("--failover-nodes must be positive")
     args.failover_nodes = args.failover_nodes or args.nodes
     if args.failover_watch is None:
         args.failover_watch = args.heartbeat_timeout + 2 * args.heartbeat_interval
@@ -191,12 +208,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from bench.cp_failover import failover_run  # etcd's launcher, only when needed
 
+    if args.tls:
+        from bench.tls_certs import local_server_files  # cryptography: only with --tls
+
+        args.tls_files = local_server_files(root / "tls")
     out: dict[str, Any] = {"nodes": args.nodes, "heartbeat_interval_s": args.heartbeat_interval}
     if not args.skip_main:
         out = await main_run(args, root / "main")
         c.cleanup(c.log)
     if not args.skip_failover:
         out.update(await failover_run(args, root / "failover"))
+    out["tls"] = args.tls
     return out
 
 

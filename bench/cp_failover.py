@@ -1,12 +1,15 @@
 """The failover part of bench/control_plane.py: a private etcd, two ``elastic-master`` daemons on it, the
 fake fleet given both addresses (the leader's first); once every node is assigned and heartbeating, the
 leader is SIGKILLed (a crash: its etcd lease must expire, TTL 3 s) and we measure when the standby has
-answered a heartbeat of every node, then watch for dead verdicts (none is right: every node kept trying)."""
+answered a heartbeat of every node, then watch for dead verdicts (none is right: every node kept trying).
+With ``--tls`` both masters serve https and the figure is the TLS one (the fleet reconnects with a
+handshake); the etcd connection stays plain."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ssl
 import statistics
 import time
 import uuid
@@ -16,7 +19,7 @@ from typing import Any
 import httpx
 
 from bench import common as c
-from bench.cp_master import count_events, master_argv, offers_stream, wait_listening
+from bench.cp_master import HOST, client_tls, count_events, master_argv, offers_stream, wait_listening
 from bench.failover import private_etcd
 from bench.fleet_driver import Fleet
 from elastic.protocol import API_PREFIX, JOB_HEADER
@@ -24,12 +27,13 @@ from elastic.protocol import API_PREFIX, JOB_HEADER
 TOKEN = "bench-control-plane-token"
 
 
-def leading(port: int, job: str) -> bool:
-    """Whether the master on ``port`` answers ``/v1/info`` (a standby answers 503)."""
+def leading(port: int, job: str, tls: ssl.SSLContext | None = None) -> bool:
+    """Whether the master on ``port`` answers ``/v1/info`` (a standby answers 503); https with ``tls``."""
     headers = {"Authorization": f"Bearer {TOKEN}", JOB_HEADER: job}
+    url = f"{'https' if tls else 'http'}://{HOST}:{port}{API_PREFIX}/info"
     try:
-        url = f"http://127.0.0.1:{port}{API_PREFIX}/info"
-        return httpx.get(url, headers=headers, timeout=5.0, trust_env=False).status_code == 200
+        reply = httpx.get(url, headers=headers, timeout=5.0, trust_env=False, verify=tls or True)
+        return reply.status_code == 200
     except httpx.TransportError:
         return False
 
@@ -68,21 +72,23 @@ async def _with_etcd(
         masters.append(group.launch(argv, f"master-{i}"))
         if why := wait_listening(masters[i], ports[i]):
             return {"failover_error": why}
-    lead = c.wait_until(lambda: [i for i in (0, 1) if leading(ports[i], job)] or None, 60.0)
+    tls = client_tls(args)
+    lead = c.wait_until(lambda: [i for i in (0, 1) if leading(ports[i], job, tls)] or None, 60.0)
     if not lead:
         return {"failover_error": "no master led within 60 s"}
     lead = lead[0]
-    stream, _ = offers_stream(ports[lead], TOKEN, job)
+    stream, _ = offers_stream(ports[lead], TOKEN, job, tls)
     cfg = {
-        "addresses": [f"127.0.0.1:{ports[lead]}", f"127.0.0.1:{ports[1 - lead]}"],
+        "addresses": [f"{HOST}:{ports[lead]}", f"{HOST}:{ports[1 - lead]}"],
         "token": TOKEN,
         "job": job,
         "stream": stream and args.protocol != "http",
         "interval": args.heartbeat_interval,
         "nnodes": n,
         "join_concurrency": args.join_concurrency,
+        "tls_ca": str(args.tls_files.ca) if args.tls_files else None,
     }
-    c.log(f"failover: {n} fake nodes, masters on {ports} (leader {lead}), {store}")
+    c.log(f"failover: {n} fake nodes, masters on {ports} (leader {lead}), {store}, TLS {bool(tls)}")
     fleet = await Fleet.start(cfg, n, args.procs, folder)
     try:
         return await _kill_and_watch(args, fleet, masters, events, lead, n)

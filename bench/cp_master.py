@@ -1,5 +1,5 @@
-"""The master side of bench/control_plane.py: its command line, whether it offers the stream, its CPU and
-open files, its event log, and what it does with connections that send nothing."""
+"""The master side of bench/control_plane.py: its command line (https with ``--tls``), whether it offers the
+stream, its CPU and open files, its event log, and what it does with connections that send nothing."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import ssl
 import time
 from pathlib import Path
 
@@ -15,14 +16,21 @@ import psutil
 
 from bench import common as c
 from elastic.protocol import JOB_HEADER, STREAM_PATH, STREAM_UPGRADE
+from elastic.tls import client_context
 
 START_S = 60.0
+HOST = "127.0.0.1"
+
+
+def client_tls(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """With ``--tls``: a client context trusting the run's CA (``args.tls_files``, bench/tls_certs.py)."""
+    return client_context(str(args.tls_files.ca)) if args.tls_files else None
 
 
 def master_argv(args: argparse.Namespace, port: int, job: str, token_file: Path, events: Path) -> list[str]:
-    return c.master_argv(args.master_cmd) + [
+    argv = c.master_argv(args.master_cmd) + [
         "--host",
-        "127.0.0.1",
+        HOST,
         "--port",
         str(port),
         "--job-id",
@@ -40,16 +48,24 @@ def master_argv(args: argparse.Namespace, port: int, job: str, token_file: Path,
         "--event-log",
         str(events),
     ]
+    if args.tls_files:  # --tls: https with the run's throwaway certificate
+        argv += ["--tls-cert", str(args.tls_files.cert), "--tls-key", str(args.tls_files.key)]
+    return argv
 
 
-def offers_stream(port: int, token: str, job: str) -> tuple[bool, int]:
-    """Whether the master answers the stream upgrade with 101; (offered, the status it answered)."""
+def offers_stream(port: int, token: str, job: str, tls: ssl.SSLContext | None = None) -> tuple[bool, int]:
+    """Whether the master answers the stream upgrade with 101 (over TLS with ``tls``); (offered, the status
+    it answered)."""
     head = (
         f"GET {STREAM_PATH} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: Upgrade\r\n"
         f"Upgrade: {STREAM_UPGRADE}\r\nAuthorization: Bearer {token}\r\n{JOB_HEADER}: {job}\r\n\r\n"
     )
     data = b""
-    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+    with (
+        contextlib.suppress(OSError),
+        socket.create_connection((HOST, port), timeout=10) as raw,
+        tls.wrap_socket(raw, server_hostname=HOST) if tls else contextlib.nullcontext(raw) as sock,
+    ):
         sock.sendall(head.encode())
         while b"\r\n" not in data and (chunk := sock.recv(256)):
             data += chunk
@@ -99,8 +115,9 @@ async def master_cpu(pid: int, t0: float, t1: float) -> float:
 
 
 async def idle_connections(port: int, count: int, limit: float) -> tuple[float | None, int]:
-    """Open ``count`` connections that send nothing; (seconds until the master closed the last one, or
-    None if some were still open after ``limit``; how many it closed)."""
+    """Open ``count`` TCP connections that send nothing (not even a TLS hello: a master serving https closes
+    them when its handshake times out); (seconds until the master closed the last one, or None if some were
+    still open after ``limit``; how many it closed)."""
     t0 = time.monotonic()
     held = []
     for _ in range(count):

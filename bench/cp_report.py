@@ -34,10 +34,11 @@ def rows(out: dict[str, Any]) -> list[list[str]]:
             f"median {_f(out.get('failover_median_served_s'), '.2f', ' s')})"
         )
     window = out.get("steady_window_s")
+    tls = "TLS" if out.get("tls") else "no TLS"
     return [
         [
             "connections per node",
-            f"{_f(out.get('connections_per_node'), '.2f')} ({out.get('protocol', '?')})",
+            f"{_f(out.get('connections_per_node'), '.2f')} ({out.get('protocol', '?')}, {tls})",
             "1",
         ],
         [
@@ -70,7 +71,7 @@ def rows(out: dict[str, Any]) -> list[list[str]]:
         ],
         ["idle connections without a token: closed after", idle_value, "<= 10 s, agents still served"],
         [
-            f"failover (etcd store, no TLS, {out.get('failover_nodes', n):,} nodes): standby serves",
+            f"failover (etcd store, {tls}, {out.get('failover_nodes', n):,} nodes): standby serves",
             failover,
             "<= 5 s",
         ],
@@ -92,10 +93,12 @@ def rows(out: dict[str, Any]) -> list[list[str]]:
 
 
 def report(out: dict[str, Any], args: argparse.Namespace) -> str:
+    wire = "https: every node over TLS" if out.get("tls") else "plain http"
     lines = [
         f"{out['nodes']:,} protocol-level fake nodes (bench/fake_fleet.py: raw asyncio sockets, "
         f"{out.get('load_generator_processes', args.procs)} processes) against one `elastic-master --nnodes "
-        f"{out['nodes']}` (memory store), heartbeat interval {args.heartbeat_interval:g} s, timeout "
+        f"{out['nodes']}` (memory store, {wire}), "
+        f"heartbeat interval {args.heartbeat_interval:g} s, timeout "
         f"{args.heartbeat_timeout:g} s, steady window {args.duration:g} s. Master CPU is its own process's "
         "(psutil user + system); the load generator's CPU is counted apart. Both share this machine's cores.",
         "",

@@ -1,8 +1,8 @@
 """One process of the protocol-level load generator of bench/control_plane.py: fake nodes ``lo..hi-1`` of a
 job, each doing what an agent does, over one ``elastic-stream/1`` connection (or, with ``"stream": false``,
 the three HTTP connections of an agent without it): join, long-poll ``round`` until assigned, heartbeat
-every interval, and once assigned keep a ``watch`` long-poll pending. No torch, no workers: the master
-cannot tell them from agents.
+every interval, and once assigned keep a ``watch`` long-poll pending; over TLS (trusting the CA file
+``"tls_ca"``) when the masters serve https. No torch, no workers: the master cannot tell them from agents.
 
 Heartbeats: bench/fleet_beats.py (one timer for every node of the process, a fixed schedule per node).
 
@@ -31,6 +31,7 @@ if __package__ in (None, ""):
 
 from bench.fleet_beats import Beats, Window  # noqa: E402
 from bench.fleet_wire import Link, WireError  # noqa: E402
+from elastic.tls import client_context  # noqa: E402
 
 #: Seconds a long-poll asks the master to hold it (the cap is 30).
 LONG_POLL_S = 25.0
@@ -93,12 +94,16 @@ class Fleet:
         self.samples: dict[str, str] = {}  # "op: status" -> the first such reply, for the report
         self.join_first: float | None = None
         self.stopping = False
+        # One context for every node of the process, as the agent's (it trusts only the masters' CA).
+        self.tls = client_context(cfg["tls_ca"]) if cfg.get("tls_ca") else None
 
     def link(self, node: Node) -> Link:
         link = self.links.get(node.id)
         if link is None:
             cfg = self.cfg
-            link = Link(cfg["addresses"], cfg["token"], cfg["job"], stream=cfg["stream"], timeout=10.0)
+            link = Link(
+                cfg["addresses"], cfg["token"], cfg["job"], stream=cfg["stream"], timeout=10.0, tls=self.tls
+            )
             self.links[node.id] = link
         return link
 

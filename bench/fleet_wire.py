@@ -7,7 +7,7 @@ enough that thousands of nodes fit in a few processes.
   without the stream hold three of them: main loop, heartbeat thread, watch thread).
 - :class:`Link`: a node's way to the master, by op (``join``, ``round``, ``heartbeat``, ``watch``...) over
   either; on a dropped connection or a ``503`` it forgets the connection and tries the next master address,
-  as the agent's client does.
+  as the agent's client does. Over TLS when given a client context (masters serving https).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import ssl
 from typing import Any
 from urllib.parse import urlencode
 
@@ -84,6 +85,15 @@ def _decode(body: bytes) -> Any:
         return None
 
 
+def _connect(
+    loop: asyncio.AbstractEventLoop, factory: type[_Conn], host: str, port: int, tls: ssl.SSLContext | None
+) -> Any:
+    """``loop.create_connection``, over TLS (verifying the certificate for ``host``) when ``tls``."""
+    if tls is None:
+        return loop.create_connection(factory, host, port)
+    return loop.create_connection(factory, host, port, ssl=tls, server_hostname=host)
+
+
 class _Conn(asyncio.Protocol):
     """What both connections share: the transport, the pending futures, failing them all on loss."""
 
@@ -121,10 +131,12 @@ class StreamConn(_Conn):
         self.stray = 0  # id-0 replies (a frame the master could not read): a bug of ours
 
     @classmethod
-    async def open(cls, host: str, port: int, head: bytes, timeout: float) -> StreamConn:
+    async def open(
+        cls, host: str, port: int, head: bytes, timeout: float, tls: ssl.SSLContext | None = None
+    ) -> StreamConn:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(loop.create_connection(cls, host, port), timeout)
+            _, conn = await asyncio.wait_for(_connect(loop, cls, host, port, tls), timeout)
             conn.transport.write(head)
             await asyncio.wait_for(asyncio.shield(conn.opened), timeout)
         except (OSError, asyncio.TimeoutError) as exc:
@@ -204,10 +216,10 @@ class HttpConn(_Conn):
         self.waiting: asyncio.Future[Reply] | None = None
 
     @classmethod
-    async def open(cls, host: str, port: int, timeout: float) -> HttpConn:
+    async def open(cls, host: str, port: int, timeout: float, tls: ssl.SSLContext | None = None) -> HttpConn:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(loop.create_connection(cls, host, port), timeout)
+            _, conn = await asyncio.wait_for(_connect(loop, cls, host, port, tls), timeout)
         except (OSError, asyncio.TimeoutError) as exc:
             raise WireError(f"{host}:{port}: {exc!r}") from exc
         return conn
@@ -241,12 +253,21 @@ class HttpConn(_Conn):
 class Link:
     """A node's calls to the master by op, over one stream (``stream=True``) or HTTP connections by role
     (the agent's three: main loop, heartbeat thread, watch thread). ``addresses``: ``host:port`` of every
-    master."""
+    master; ``tls``: the client context (trusting the masters' CA) when they serve https."""
 
-    def __init__(self, addresses: list[str], token: str, job: str, *, stream: bool, timeout: float) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        token: str,
+        job: str,
+        *,
+        stream: bool,
+        timeout: float,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.addresses = [(a.rpartition(":")[0], int(a.rpartition(":")[2])) for a in addresses]
         self.index = 0
-        self.stream, self.timeout = stream, timeout
+        self.stream, self.timeout, self.tls = stream, timeout, tls
         self.auth = f"Authorization: Bearer {token}\r\n{JOB_HEADER}: {job}\r\n{PROTOCOL_HEADER}: "
         self.auth += f"{PROTOCOL_VERSION}\r\n"
         self.conns: dict[str, StreamConn | HttpConn] = {}
@@ -283,9 +304,9 @@ class Link:
             if self.stream:
                 head = f"GET {STREAM_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: Upgrade\r\n"
                 head += f"Upgrade: {STREAM_UPGRADE}\r\n{self.auth}\r\n"
-                conn = await StreamConn.open(host, port, head.encode(), self.timeout)
+                conn = await StreamConn.open(host, port, head.encode(), self.timeout, self.tls)
             else:
-                conn = await HttpConn.open(host, port, self.timeout)
+                conn = await HttpConn.open(host, port, self.timeout, self.tls)
         except WireError as exc:
             self.index += 1
             fut.set_exception(exc)

@@ -1,8 +1,10 @@
 """bench/control_plane.py runs end to end in a short version: 200 protocol-level fake nodes on one stream
 connection each against a real ``elastic-master``, idle connections it must close, and a failover of 50
-nodes between two masters on a private etcd. Asserted: correctness, not speed: every node assigned and
-served, one connection per node, no dead verdict (every fake node kept heartbeating), the idle connections
-closed, every node served again by the standby, the JSON keys the issue names, no process left behind."""
+nodes between two masters on a private etcd; and the same with ``--tls`` (100 nodes): masters serving https
+with the run's throwaway certificate, every fake node over TLS. Asserted: correctness, not speed: every
+node assigned and served, one connection per node, no dead verdict (every fake node kept heartbeating), the
+idle connections closed, every node served again by the standby, the JSON keys the issue names, every
+master serving https exactly when asked, no process left behind."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from bench_runs import run_bench
 
 KEYS = {
     "nodes",
+    "tls",
     "master_cpu_us_per_heartbeat",
     "heartbeats_served_per_s",
     "heartbeats_offered_per_s",
@@ -26,18 +29,19 @@ KEYS = {
     "connections_per_node",
     "master_cpu_share",
 }
-NODES, FAILOVER_NODES, IDLE = 200, 50, 20
+FAILOVER_NODES, IDLE = 50, 20
 HEADER_TIMEOUT_S = 2.0
 
 
 @pytest.mark.slow
 @pytest.mark.etcd
 @pytest.mark.timeout(400)
-def test_control_plane_benchmark_short(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("tls", "nodes"), [(False, 200), (True, 100)], ids=["http", "tls"])
+def test_control_plane_benchmark_short(tmp_path: Path, tls: bool, nodes: int) -> None:
     out, data = tmp_path / "report.md", tmp_path / "cp.json"
     argv = [
         "bench/control_plane.py",
-        *("--nodes", str(NODES), "--duration", "5", "--protocol", "stream"),
+        *("--nodes", str(nodes), "--duration", "5", "--protocol", "stream", *(["--tls"] if tls else [])),
         *("--idle-connections", str(IDLE), "--header-timeout", str(HEADER_TIMEOUT_S)),
         *("--failover-nodes", str(FAILOVER_NODES), "--assign-timeout", "120"),
         *("--workdir", str(tmp_path / "work"), "--markdown-out", str(out), "--json", str(data)),
@@ -46,7 +50,16 @@ def test_control_plane_benchmark_short(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figures = json.loads(data.read_text())
     assert figures.keys() >= KEYS, sorted(KEYS - figures.keys())
-    assert figures["nodes"] == NODES and figures["assigned_at_end"] == NODES
+    assert figures["nodes"] == nodes and figures["assigned_at_end"] == nodes
+    assert figures["tls"] is tls, figures
+    # The main run's master and both failover masters, each saying how it listened.
+    listening = [
+        line
+        for log in sorted((tmp_path / "work").rglob("master*.log"))
+        for line in log.read_text().splitlines()
+        if "listening on" in line
+    ]
+    assert len(listening) == 3 and all(line.endswith("(https)") is tls for line in listening), listening
     assert figures["protocol"] == "stream" and figures["connections_per_node"] == 1.0, figures
     # Every heartbeat sent was answered 200; the slack between served and offered is for beats a loaded
     # machine skipped (one in flight when the next was due), not for refusals.
@@ -59,5 +72,6 @@ def test_control_plane_benchmark_short(tmp_path: Path) -> None:
     assert figures["failover_serve_s"] is not None and figures["failover_false_dead_verdicts"] == 0, figures
     report = out.read_text()
     assert "| master CPU per steady heartbeat" in report, report
+    assert f"| failover (etcd store, {'TLS' if tls else 'no TLS'}, {FAILOVER_NODES} nodes)" in report, report
     assert "command: `python bench/control_plane.py" in report, report
     assert not left, f"processes left behind by bench/control_plane.py: {left}"
