@@ -25,6 +25,8 @@ class Liveness:
         self._in_order = True  # whether _last_seen's order is that of its times
         self._suspect_until: dict[str, float] = {}
         self._grace_until = float("-inf")
+        #: Seconds a node's last heartbeat was moved later by :meth:`excuse` (its true age stays known).
+        self._excused: dict[str, float] = {}
 
     def beat(self, node_id: str, now: float) -> None:
         seen = self._last_seen
@@ -34,10 +36,13 @@ class Liveness:
         seen.move_to_end(node_id)
         if self._suspect_until:
             self._suspect_until.pop(node_id, None)
+        if self._excused:
+            self._excused.pop(node_id, None)
 
     def forget(self, node_id: str) -> None:
         self._last_seen.pop(node_id, None)
         self._suspect_until.pop(node_id, None)
+        self._excused.pop(node_id, None)
 
     def suspect(self, node_id: str, now: float, within_s: float) -> None:
         """Dead at ``now + within_s`` (if that is earlier than its timeout) unless it beats before."""
@@ -60,13 +65,15 @@ class Liveness:
         return now < self._grace_until or now - seen <= self.timeout_s
 
     def age(self, node_id: str, now: float) -> float | None:
+        """Time since the node's last heartbeat (its true age, whatever :meth:`excuse` moved)."""
         seen = self._last_seen.get(node_id)
-        return None if seen is None else max(0.0, now - seen)
+        return None if seen is None else max(0.0, now - seen + self._excused.get(node_id, 0.0))
 
     def grant_grace(self, now: float) -> None:
         """No dead verdict before ``now + timeout``, and every node counts as just seen."""
         self._grace_until = now + self.timeout_s
         self._suspect_until.clear()
+        self._excused.clear()
         for node_id in self._last_seen:
             self._last_seen[node_id] = now
         self._in_order = True  # all equal
@@ -75,8 +82,10 @@ class Liveness:
         """The master itself was stalled for ``seconds`` (heartbeats waited unread in its sockets): every
         node's last heartbeat and suspicion deadline move that much later (order unchanged). O(nodes), for
         a rare event."""
+        excused = self._excused
         for node_id, seen in self._last_seen.items():
             self._last_seen[node_id] = seen + seconds
+            excused[node_id] = excused.get(node_id, 0.0) + seconds
         for node_id, until in self._suspect_until.items():
             self._suspect_until[node_id] = until + seconds
 

@@ -36,6 +36,8 @@ def test_a_stall_of_the_master_is_not_held_against_the_nodes() -> None:
         service.tick()
     assert "b" not in job.nodes and "a" in job.nodes, "silence after the stall still counts"
     assert [e.kind for e in job.events].count("master_stalled") == 1
+    dead = next(e for e in job.events if e.kind == "node_dead")
+    assert dead.durations["detect"] > HB_TIMEOUT * 4, "its true silence, the stall included"
 
 
 def test_ticks_at_their_pace_excuse_nothing() -> None:
