@@ -37,6 +37,15 @@ LONG_POLL_CAP_S = 30.0
 #: carry the node API's calls and replies, multiplexed (one connection per agent).
 STREAM_PATH = API_PREFIX + "/stream"
 STREAM_UPGRADE = "elastic-stream/1"
+#: The agent stream's operations and the HTTP route each stands for: (method, path under API_PREFIX).
+STREAM_ROUTES: dict[str, tuple[str, str]] = {
+    "info": ("GET", "/info"),
+    "join": ("POST", "/join"),
+    "round": ("GET", "/round"),
+    "heartbeat": ("POST", "/heartbeat"),
+    "watch": ("GET", "/watch"),
+    "leave": ("POST", "/leave"),
+}
 #: Calls one stream connection may have pending (long-polls included); beyond, a call is answered 429 busy.
 STREAM_MAX_PENDING = 16
 #: Longest frame (one line, without its newline) the master reads; a longer one: 413, and the stream closes.

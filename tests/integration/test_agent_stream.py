@@ -23,12 +23,14 @@ from embedded_masters import EmbeddedMasters, no_thread_left
 from stream_socket import StreamSocket, upgrade_request
 
 from elastic.protocol import (
+    API_PREFIX,
     JOB_HEADER,
     NODE_SECRET_HEADER,
     PROTOCOL_HEADER,
     PROTOCOL_VERSION,
     STREAM_MAX_FRAME_BYTES,
     STREAM_MAX_PENDING,
+    STREAM_ROUTES,
 )
 from master.rate_limits import FAILURE_LIMIT
 from master.serving import EmbeddedMaster
@@ -250,14 +252,7 @@ SCENARIO: list[tuple[str, str, dict[str, Any] | None, dict[str, Any] | None]] = 
     ("leave", "b", None, {"node_id": "b"}),
     ("info", "", None, None),
 ]
-ROUTES = {
-    "info": ("GET", "/v1/info"),
-    "join": ("POST", "/v1/join"),
-    "round": ("GET", "/v1/round"),
-    "heartbeat": ("POST", "/v1/heartbeat"),
-    "watch": ("GET", "/v1/watch"),
-    "leave": ("POST", "/v1/leave"),
-}
+ROUTES = {op: (method, API_PREFIX + path) for op, (method, path) in STREAM_ROUTES.items()}
 
 
 def play(call: Callable[[str, str | None, dict | None, dict | None], tuple[int, Any]]) -> list:
