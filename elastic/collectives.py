@@ -8,7 +8,9 @@ NCCL, the CPU otherwise), so the same code serves gloo and NCCL.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import time
 import warnings
 from collections.abc import Iterable
 
@@ -17,6 +19,46 @@ import torch.distributed as dist
 
 #: Padding for step lists of different lengths; steps are never negative.
 _PAD = -1
+
+#: Tensors this module handed to the backend, kept referenced until the backend lets go of them. Gloo
+#: runs collectives on its own threads and drops a finished work (and a barrier's record of earlier
+#: works) after the caller has moved on; if that drop frees a tensor Python created, it needs the GIL,
+#: and during interpreter shutdown that kills the thread inside a destructor: ``terminate called
+#: without an active exception`` and SIGABRT after a clean exit. Holding them here keeps the last
+#: release on the Python side.
+_lent: list[torch.Tensor] = []
+
+#: How long :func:`settle` waits for the backend to release the lent tensors: the race it closes lasts
+#: microseconds; a backend stuck on a dead peer must not hold the exit up for long.
+SETTLE_TIMEOUT_S = 2.0
+
+
+def lend(*tensors: torch.Tensor) -> None:
+    """Keep ``tensors``, handed to a collective, referenced until the backend no longer holds them.
+
+    See ``_lent`` for why; :func:`settle` waits for the backend before the group is torn down.
+    """
+    _lent[:] = [t for t in _lent if t._use_count() > 1]
+    _lent.extend(tensors)
+
+
+def settle(timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+    """Wait until the backend holds none of this module's tensors, then let them go.
+
+    Called before the process group is torn down and at interpreter exit; returns False when the backend
+    still held some after ``timeout_s`` (they are let go anyway: a stuck backend must not block exit).
+    """
+    deadline = time.monotonic() + timeout_s
+    while any(t._use_count() > 1 for t in _lent):
+        if time.monotonic() >= deadline:
+            _lent.clear()
+            return False
+        time.sleep(0.001)  # the backend's threads drop their references without needing us
+    _lent.clear()
+    return True
+
+
+atexit.register(settle)
 
 
 def collective_device(backend: str, current_cuda_device: int | None = None) -> torch.device:
@@ -49,6 +91,7 @@ def all_step_lists(local: Iterable[int], world: int) -> list[list[int]]:
         return [mine]
     device = _device()
     length = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+    lend(length)
     dist.all_reduce(length, op=dist.ReduceOp.MAX)
     longest = int(length.item())
     if longest == 0:
@@ -57,6 +100,7 @@ def all_step_lists(local: Iterable[int], world: int) -> list[list[int]]:
     if mine:
         padded[: len(mine)] = torch.tensor(mine, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(padded) for _ in range(world)]
+    lend(padded, *gathered)
     dist.all_gather(gathered, padded)
     return [[int(s) for s in steps.tolist() if s != _PAD] for steps in gathered]
 
@@ -67,6 +111,7 @@ def broadcast_int(value: int | None, src: int = 0) -> int | None:
         return value
     # Two slots: a presence flag, then the value, so that None and every int64 can be told apart.
     payload = torch.tensor([0 if value is None else 1, value or 0], dtype=torch.int64, device=_device())
+    lend(payload)
     dist.broadcast(payload, src=src)
     present, number = payload.tolist()
     return int(number) if present else None
@@ -82,6 +127,7 @@ def broadcast_bytes(data: bytes | None, src: int) -> bytes | None:
         return data
     device = _device()
     length = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64, device=device)
+    lend(length)
     dist.broadcast(length, src=src)
     size = int(length.item())
     if size < 0:
@@ -95,6 +141,7 @@ def broadcast_bytes(data: bytes | None, src: int) -> bytes | None:
             payload = torch.frombuffer(data, dtype=torch.uint8).to(device)
     else:
         payload = torch.empty(size, dtype=torch.uint8, device=device)
+    lend(payload)
     dist.broadcast(payload, src=src)
     if data is not None:
         return data
@@ -121,12 +168,14 @@ def gather_ints(flat: list[int], world: int) -> list[list[int]]:
         return [flat]
     device = _device()
     length = torch.tensor([len(flat)], dtype=torch.int64, device=device)
+    lend(length)
     dist.all_reduce(length, op=dist.ReduceOp.MAX)
     longest = int(length.item())
     padded = torch.full((max(longest, 3),), _PAD, dtype=torch.int64, device=device)
     if flat:
         padded[: len(flat)] = torch.tensor(flat, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(padded) for _ in range(world)]
+    lend(padded, *gathered)
     dist.all_gather(gathered, padded)
     return [g.tolist()[:longest] for g in gathered]
 
@@ -136,5 +185,6 @@ def any_rank(flag: bool, world: int) -> bool:
     if world <= 1:
         return flag
     value = torch.tensor([int(flag)], dtype=torch.int64, device=_device())
+    lend(value)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())

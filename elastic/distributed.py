@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from elastic import collectives
 from elastic import contract as c
 from elastic.report import report_done
 
@@ -98,4 +99,5 @@ def destroy_process_group() -> None:
     """
     report_done()
     if dist.is_available() and dist.is_initialized():
+        collectives.settle()  # gloo's threads must let go of our tensors while Python can still free them
         dist.destroy_process_group()

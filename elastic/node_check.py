@@ -115,6 +115,7 @@ class Check:
         import torch
         import torch.distributed as dist
 
+        from elastic import collectives
         from elastic.distributed import backend_for_device
 
         environ, timeout, rank, world = self.environ, self.timeout, self.rank, self.world
@@ -163,6 +164,7 @@ class Check:
             if rank not in group_ranks:
                 continue
             buf = torch.ones(GPU_ALLREDUCE_ELEMENTS if cuda else CPU_ALLREDUCE_ELEMENTS, device=device)
+            collectives.lend(buf)
             seconds = _best_time(lambda g=group, t=buf: dist.all_reduce(t, group=g), sync)
             if partner in group_ranks:
                 result["allreduce_s"], result["partner"] = seconds, partner
