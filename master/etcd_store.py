@@ -4,9 +4,10 @@ Keys, under ``/elastic/<job_id>/``:
 
 ``leader``
     The leading master's candidate string, written by a create-if-absent transaction and bound to a lease
-    of ``lease_ttl_s`` that the leader keeps alive every TTL/3. The key vanishes when the lease is
-    revoked (clean shutdown: a standby takes over at once) or expires (a crashed or cut-off leader: a
-    standby takes over after at most one TTL).
+    of ``lease_ttl_s`` that the leader keeps alive every TTL/3 from its own thread
+    (``master/lease_keeper.py``). The key vanishes when the lease is revoked (clean shutdown: a standby
+    takes over at once) or expires (a crashed or cut-off leader: a standby takes over after at most one
+    TTL).
 ``state``, ``node/...``, ``nstate/...``, ``event/...``, ``chunk/...``
     The snapshot of :meth:`master.job.Job.snapshot` as records (``master/etcd_layout.py``); a save
     writes only the records that changed (``master/etcd_state.py``), in transactions that each check that
@@ -41,6 +42,7 @@ import aetcd
 from elastic.tls import speaks_tls
 from master import etcd_client as ec
 from master.etcd_state import StateRecords
+from master.lease_keeper import LeaseKeeper
 from master.store import Snapshot, StateFormatError, StateStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -85,7 +87,8 @@ class EtcdStore(StateStore):
         self._candidate: str | None = None
         self._lease_id: int | None = None
         self._leader_revision: int | None = None
-        self._keepalive: asyncio.Task | None = None
+        self._keeper: LeaseKeeper | None = None
+        self._losing: asyncio.Future | None = None  # a step-down the keeper asked for, kept referenced
         #: Monotonic time when this term must be treated as over unless the lease was renewed (see leading).
         self._valid_until = 0.0
         self._on_lost: Callable[[], Awaitable[None] | None] | None = None
@@ -237,46 +240,34 @@ class EtcdStore(StateStore):
         self._candidate, self._lease_id, self._leader_revision = candidate, lease_id, revision
         self._records.written = None  # a deposed master may have written part of a save: read it first
         self._on_lost, self._lost_fired = on_lost, False
-        self._valid_until = granted_at + 2.0 * max(1, ttl) / 3.0  # the keep-alive's step-down deadline
-        self._keepalive = asyncio.create_task(
-            self._keep_alive(lease_id, max(1, ttl), granted_at), name=f"etcd-lease-{self.job_id}"
+        self._valid_until = granted_at + 2.0 * max(1, ttl) / 3.0  # the keeper's step-down deadline
+        loop = asyncio.get_running_loop()
+
+        def renewed(valid_until: float) -> None:
+            if self._lease_id == lease_id:  # a keeper of a term already over changes nothing
+                self._valid_until = valid_until
+
+        def lost(reason: str) -> None:
+            loop.call_soon_threadsafe(self._lost_by_keeper, lease_id, reason)
+
+        self._keeper = LeaseKeeper(
+            endpoints=self.endpoints,
+            endpoint_index=self._endpoint_index,
+            lease_id=lease_id,
+            ttl_s=max(1, ttl),
+            renewed_at=granted_at,
+            leader_key=self.leader_key,
+            leader_revision=revision,
+            credentials=None if self._username is None else (self._username, self._password or ""),
+            channel_options=ec.CHANNEL_OPTIONS,
+            renewed=renewed,
+            lost=lost,
         )
+        self._keeper.start()
 
-    async def _keep_alive(self, lease_id: int, ttl: int, renewed_at: float) -> None:
-        """Renew the lease every TTL/3 and check that the leader key is still ours; step down otherwise.
-
-        etcd counts the TTL from when it receives a renewal, which is after we sent it: stepping down
-        once two thirds of the TTL have passed since the last confirmed renewal was *sent* leaves a third
-        of the TTL during which no other master can have been elected yet.
-        """
-        period = ttl / 3.0
-        while True:
-            await asyncio.sleep(max(0.0, renewed_at + period - time.monotonic()))
-            sent = time.monotonic()
-            give_up = renewed_at + 2.0 * period
-            try:
-                client = self._connect()
-                reply = await asyncio.wait_for(ec.refresh_lease(client, lease_id), max(0.05, give_up - sent))
-                if reply is None or reply.TTL <= 0:
-                    return await self._lose(f"its etcd lease {lease_id:x} expired")
-                left = max(0.05, give_up - time.monotonic())
-                holder = await asyncio.wait_for(client.get(self.leader_key), left)
-                if holder is None or holder.create_revision != self._leader_revision:
-                    return await self._lose("its leader key in etcd was deleted or replaced")
-                renewed_at = sent
-                self._valid_until = renewed_at + 2.0 * period
-            except asyncio.CancelledError:
-                raise
-            except (aetcd.ClientError, *ec.TRANSIENT) as exc:
-                if time.monotonic() >= give_up:
-                    return await self._lose(
-                        f"etcd at {self.endpoint} did not renew its lease in time ({ec.one_line(exc)})"
-                    )
-                if not isinstance(exc, ec.TRANSIENT):
-                    return await self._lose(f"etcd refused to renew its lease ({ec.one_line(exc)})")
-                if len(self.endpoints) > 1:
-                    await self._reconnect()  # the lease is cluster-wide: try it at another endpoint
-                await asyncio.sleep(min(period / 3.0, max(0.0, give_up - time.monotonic())))
+    def _lost_by_keeper(self, lease_id: int, reason: str) -> None:
+        if self._lease_id == lease_id and not self._lost_fired:
+            self._losing = asyncio.ensure_future(self._lose(reason))
 
     async def _lose(self, reason: str) -> None:
         """End the term (once): forget the lease, tell the master."""
@@ -284,9 +275,7 @@ class EtcdStore(StateStore):
             return
         self._lost_fired = True
         log.warning("master %s lost the leadership of job %s: %s", self._candidate, self.job_id, reason)
-        task, self._keepalive = self._keepalive, None
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
+        self._stop_keeper()
         if self._lease_id is not None:
             self._stale_leases.add(self._lease_id)
         self._lease_id = self._leader_revision = None
@@ -305,16 +294,17 @@ class EtcdStore(StateStore):
         """End the current term quietly (no ``on_lost``) and revoke its lease if etcd answers."""
         self._lost_fired = True
         self._on_lost = None
-        task, self._keepalive = self._keepalive, None
-        if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        self._stop_keeper()
         if self._lease_id is not None:
             self._stale_leases.add(self._lease_id)
         self._lease_id = self._leader_revision = None
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._revoke_stale(), 2.0)
+
+    def _stop_keeper(self) -> None:
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.stop()  # cancels its call in flight: returns at once
 
     async def _revoke_stale(self) -> None:
         """Revoke leases of former terms; raises only when etcd does not answer."""
