@@ -19,7 +19,15 @@ from typing import Any
 import httpx
 
 from bench import common as c
-from bench.cp_master import HOST, client_tls, count_events, master_argv, offers_stream, wait_listening
+from bench.cp_master import (
+    HOST,
+    client_tls,
+    count_events,
+    first_event_at,
+    master_argv,
+    offers_stream,
+    wait_listening,
+)
 from bench.failover import private_etcd
 from bench.fleet_driver import Fleet
 from elastic.protocol import API_PREFIX, JOB_HEADER
@@ -128,6 +136,8 @@ async def _kill_and_watch(
     c.log(f"failover: {len(took)}/{n} nodes served again, last after {max(took, default=0):.2f} s")
     await asyncio.sleep(args.failover_watch)  # a node the standby forgot would be declared dead by now
     standby = masters[1 - lead]
+    elected = first_event_at(events[1 - lead], "master_takeover", since=killed)
+    out["failover_elected_s"] = None if elected is None else elected - killed  # the rest is the reconnects
     out["failover_false_dead_verdicts"] = count_events(
         events[1 - lead], "node_dead", since=killed, master_log=standby.log
     )

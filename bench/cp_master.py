@@ -105,6 +105,18 @@ def count_events(
     return max(n, logged)
 
 
+def first_event_at(path: Path, kind: str, since: float = 0.0) -> float | None:
+    """Wall time of the first event of ``kind`` at or after ``since`` in a master's event log, or None."""
+    if not path.exists():
+        return None
+    for line in path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            event = json.loads(line)
+            if event.get("kind") == kind and event.get("time", 0) >= since:
+                return float(event["time"])
+    return None
+
+
 async def master_cpu(pid: int, t0: float, t1: float) -> float:
     """The master's CPU seconds (user + system, its own process) between wall times t0 and t1."""
     proc = psutil.Process(pid)
