@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+#: A takeover's grace lasts while the nodes the new leader inherited keep coming back (see
+#: :meth:`Liveness.grant_grace`), but never more than this many heartbeat timeouts after the takeover.
+GRACE_CAP_TIMEOUTS = 3.0
+
 
 class Liveness:
     """Tracks when each node was last heard from.
@@ -24,7 +28,9 @@ class Liveness:
         self._last_seen: OrderedDict[str, float] = OrderedDict()  # oldest heartbeat first (see above)
         self._in_order = True  # whether _last_seen's order is that of its times
         self._suspect_until: dict[str, float] = {}
-        self._grace_until = float("-inf")
+        self._grace_until = self._grace_cap = float("-inf")
+        #: Nodes inherited by a takeover and not heard from since (while its grace lasts).
+        self._awaited: set[str] = set()
         #: Seconds a node's last heartbeat was moved later by :meth:`excuse` (its true age stays known).
         self._excused: dict[str, float] = {}
 
@@ -38,11 +44,16 @@ class Liveness:
             self._suspect_until.pop(node_id, None)
         if self._excused:
             self._excused.pop(node_id, None)
+        if self._awaited and node_id in self._awaited:
+            self._awaited.discard(node_id)
+            if now < self._grace_until:  # the reconnect wave goes on: so does the grace
+                self._grace_until = min(max(self._grace_until, now + self.timeout_s), self._grace_cap)
 
     def forget(self, node_id: str) -> None:
         self._last_seen.pop(node_id, None)
         self._suspect_until.pop(node_id, None)
         self._excused.pop(node_id, None)
+        self._awaited.discard(node_id)
 
     def suspect(self, node_id: str, now: float, within_s: float) -> None:
         """Dead at ``now + within_s`` (if that is earlier than its timeout) unless it beats before."""
@@ -70,8 +81,17 @@ class Liveness:
         return None if seen is None else max(0.0, now - seen + self._excused.get(node_id, 0.0))
 
     def grant_grace(self, now: float) -> None:
-        """No dead verdict before ``now + timeout``, and every node counts as just seen."""
+        """No dead verdict before ``now + timeout``, and every node counts as just seen.
+
+        The grace goes on while the nodes known at ``now`` come back: the first heartbeat of each after
+        ``now`` extends it to that heartbeat plus the timeout (at most ``GRACE_CAP_TIMEOUTS`` timeouts
+        after ``now``). A new leader of thousands of nodes meets them all reconnecting at once and may
+        need longer than one timeout to hear each; a node that really died is declared at most one
+        timeout after the last of the others came back.
+        """
         self._grace_until = now + self.timeout_s
+        self._grace_cap = now + GRACE_CAP_TIMEOUTS * self.timeout_s
+        self._awaited = set(self._last_seen)
         self._suspect_until.clear()
         self._excused.clear()
         for node_id in self._last_seen:
@@ -94,6 +114,8 @@ class Liveness:
         heartbeat first."""
         if now < self._grace_until:
             return []
+        if self._awaited:
+            self._awaited = set()  # the grace is over
         if not self._in_order:
             self._last_seen = OrderedDict(sorted(self._last_seen.items(), key=lambda item: item[1]))
             self._in_order = True

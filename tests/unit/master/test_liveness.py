@@ -106,3 +106,30 @@ def test_a_grace_period_lifts_suspicions():
     live.grant_grace(0.5)
     assert not live.suspected("a")
     assert live.dead(0.5 + TIMEOUT) == []
+
+
+def test_a_takeover_grace_lasts_while_inherited_nodes_keep_coming_back_up_to_its_cap():
+    live = Liveness(TIMEOUT)
+    for node_id in ("a", "b", "c", "d"):
+        live.beat(node_id, 0.0)
+    live.grant_grace(10.0)  # ends at 14 unless the inherited nodes keep coming back
+    live.beat("a", 13.0)  # -> 17
+    live.beat("a", 16.9)  # a second beat of a node already back extends nothing
+    live.beat("b", 16.5)  # -> 20.5
+    assert live.dead(20.4) == []
+    live.beat("c", 20.0)  # -> 24, but capped at three timeouts after the takeover: 22
+    assert live.dead(22.0 - 0.001) == []
+    assert live.dead(22.0 + 0.001) == ["d", "b", "a"]  # d never came back; a and b stopped beating
+
+
+def test_a_takeover_grace_ends_one_timeout_after_the_last_inherited_node_came_back():
+    live = Liveness(TIMEOUT)
+    for node_id in ("a", "b"):
+        live.beat(node_id, 0.0)
+    live.grant_grace(10.0)
+    live.beat("a", 11.0)  # -> 15
+    live.beat("a", 14.5)
+    assert live.dead(15.0 - 0.001) == []
+    assert live.dead(15.0 + 0.001) == ["b"]
+    live.beat("b", 30.0)  # back after the grace ended: an ordinary heartbeat, no grace
+    assert live.dead(30.0 + TIMEOUT - 0.001) == ["a"]
