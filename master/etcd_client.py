@@ -91,16 +91,18 @@ async def refresh_lease(client: aetcd.Client, lease_id: int) -> rpc.LeaseKeepAli
 CAMPAIGN_RECHECK_S = 5.0
 
 
-async def wait_for_vacancy(client: aetcd.Client, leader_key: bytes, revision: int) -> None:
-    """Return when the leader key seen at ``revision`` is deleted, or after a while (then re-check)."""
+async def wait_for_vacancy(client: aetcd.Client, leader_key: bytes, revision: int) -> bool:
+    """Return True when the leader key seen at ``revision`` is deleted, or False after a while (then
+    re-check)."""
     start = revision + 1 if revision else None
     try:
         event = await client.watch_once(
             leader_key, timeout=CAMPAIGN_RECHECK_S, start_revision=start, kind=EventKind.DELETE
         )
     except aetcd.WatchTimeoutError:
-        return  # nothing happened for a while: the caller re-checks (covers a lost watch event)
+        return False  # nothing happened for a while: the caller re-checks (covers a lost watch event)
     if isinstance(event, Exception):  # the watch stream broke (aetcd delivers the error as the event)
         if isinstance(event, aetcd.ClientError):
             raise event
         raise aetcd.ConnectionFailedError(one_line(event))
+    return True

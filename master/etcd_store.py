@@ -5,7 +5,7 @@ Keys, under ``/elastic/<job_id>/``:
 ``leader``
     The leading master's candidate string, written by a create-if-absent transaction and bound to a lease
     of ``lease_ttl_s`` that the leader keeps alive every TTL/3 from its own thread
-    (``master/lease_keeper.py``). The key vanishes when the lease is revoked (clean shutdown: a standby
+    (``master/etcd_lease_keeper.py``). The key vanishes when the lease is revoked (clean shutdown: a standby
     takes over at once) or expires (a crashed or cut-off leader: a standby takes over after at most one
     TTL).
 ``state``, ``node/...``, ``nstate/...``, ``event/...``, ``chunk/...``
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import math
 import time
@@ -41,8 +40,10 @@ import aetcd
 
 from elastic.tls import speaks_tls
 from master import etcd_client as ec
+from master.etcd_lease_keeper import LeaseKeeper
 from master.etcd_state import StateRecords
-from master.lease_keeper import LeaseKeeper
+from master.etcd_term import EtcdTerm
+from master.side_loop import SideLoop
 from master.store import Snapshot, StateFormatError, StateStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ START_TIMEOUT_S = 3.0
 RETRY_MIN_S, RETRY_MAX_S = 0.2, 2.0
 
 
-class EtcdStore(StateStore):
+class EtcdStore(EtcdTerm, StateStore):
     """Job state under ``/elastic/<job_id>/`` in etcd, with lease-based leader election."""
 
     durable = True
@@ -82,7 +83,9 @@ class EtcdStore(StateStore):
         self.state_key = (prefix + "state").encode()
         self._records = StateRecords(prefix.encode(), frozenset({"leader"}))
         self._endpoint_index = 0
-        self._client: aetcd.Client | None = None
+        #: One etcd client per event loop: the main loop's, and the side loop's that elects and loads.
+        self._clients: dict[asyncio.AbstractEventLoop, aetcd.Client] = {}
+        self._side = SideLoop(f"etcd-campaign-{job_id}")
         # The current term, while leading: lease id, its granted TTL, the leader key's create revision.
         self._candidate: str | None = None
         self._lease_id: int | None = None
@@ -106,9 +109,12 @@ class EtcdStore(StateStore):
         return ",".join(f"{h}:{p}" for h, p in self.endpoints)
 
     def _connect(self) -> aetcd.Client:
-        if self._client is None:
+        """This event loop's etcd client (gRPC's asyncio channels belong to the loop that made them)."""
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
             host, port = self.endpoints[self._endpoint_index]
-            self._client = aetcd.Client(
+            client = self._clients[loop] = aetcd.Client(
                 host=host,
                 port=port,
                 username=self._username,
@@ -116,11 +122,12 @@ class EtcdStore(StateStore):
                 timeout=ec.RPC_TIMEOUT_S,
                 options=ec.CHANNEL_OPTIONS,
             )
-        return self._client
+        return client
 
     async def _reconnect(self) -> None:
-        """Drop the channel (gRPC backs off reconnecting for up to minutes) and move to the next endpoint."""
-        client, self._client = self._client, None
+        """Drop this loop's channel (gRPC backs off reconnecting for up to minutes) and move to the next
+        endpoint."""
+        client = self._clients.pop(asyncio.get_running_loop(), None)
         self._endpoint_index = (self._endpoint_index + 1) % len(self.endpoints)
         if client is not None:
             with contextlib.suppress(Exception):
@@ -161,8 +168,24 @@ class EtcdStore(StateStore):
 
     # -- leader election ----------------------------------------------------------------------------
     async def campaign(self, candidate: str, on_lost: Callable[[], Awaitable[None] | None]) -> None:
-        """Block until this master holds the leader key; retries while etcd is unreachable."""
+        """Block until this master holds the leader key; retries while etcd is unreachable.
+
+        The election runs on the side loop (``master/side_loop.py``): a standby meeting a reconnect
+        storm must not queue its etcd calls behind it."""
         await self._resign()
+        lease_id, ttl, revision, granted_at = await self._side.run(self._win(candidate))
+        self._start_term(candidate, lease_id, ttl, revision, granted_at, on_lost)
+        log.info(
+            "won the leadership of job %s in etcd at %s (lease %x, ttl %ds)",
+            self.job_id,
+            self.endpoint,
+            lease_id,
+            ttl,
+        )
+
+    async def _win(self, candidate: str) -> tuple[int, int, int, float]:
+        """Campaign until the leader key is ours: (lease id, granted TTL, the key's create revision, the
+        monotonic time the lease was granted)."""
         delay = RETRY_MIN_S
         last_warning = 0.0
         while True:
@@ -189,15 +212,7 @@ class EtcdStore(StateStore):
                     raise StoreError(f"the etcd store of job {self.job_id} is closed")
                 if won:
                     revision = responses[0].response_put.header.revision  # = the key's create revision
-                    self._start_term(candidate, lease.id, lease.ttl, revision, granted_at, on_lost)
-                    log.info(
-                        "won the leadership of job %s in etcd at %s (lease %x, ttl %ds)",
-                        self.job_id,
-                        self.endpoint,
-                        lease.id,
-                        lease.ttl,
-                    )
-                    return
+                    return lease.id, lease.ttl, revision, granted_at
                 with contextlib.suppress(aetcd.ClientError, *ec.TRANSIENT):
                     await client.revoke_lease(lease.id)  # a lease per attempt: the next one gets a fresh one
                 holder = responses[0][0][1] if responses and responses[0] else None
@@ -210,7 +225,8 @@ class EtcdStore(StateStore):
                     )
                     continue
                 revision = holder.mod_revision if holder is not None else 0
-                await ec.wait_for_vacancy(client, self.leader_key, revision)
+                if await ec.wait_for_vacancy(client, self.leader_key, revision):
+                    log.info("the leader key of job %s was released; campaigning", self.job_id)
                 delay = RETRY_MIN_S
             except asyncio.CancelledError:
                 raise
@@ -228,113 +244,11 @@ class EtcdStore(StateStore):
                 await asyncio.sleep(delay)
                 delay = min(RETRY_MAX_S, delay * 2)
 
-    def _start_term(
-        self,
-        candidate: str,
-        lease_id: int,
-        ttl: int,
-        revision: int,
-        granted_at: float,
-        on_lost: Callable[[], Awaitable[None] | None],
-    ) -> None:
-        self._candidate, self._lease_id, self._leader_revision = candidate, lease_id, revision
-        self._records.written = None  # a deposed master may have written part of a save: read it first
-        self._on_lost, self._lost_fired = on_lost, False
-        self._valid_until = granted_at + 2.0 * max(1, ttl) / 3.0  # the keeper's step-down deadline
-        loop = asyncio.get_running_loop()
-
-        def renewed(valid_until: float) -> None:
-            if self._lease_id == lease_id:  # a keeper of a term already over changes nothing
-                self._valid_until = valid_until
-
-        def lost(reason: str) -> None:
-            loop.call_soon_threadsafe(self._lost_by_keeper, lease_id, reason)
-
-        self._keeper = LeaseKeeper(
-            endpoints=self.endpoints,
-            endpoint_index=self._endpoint_index,
-            lease_id=lease_id,
-            ttl_s=max(1, ttl),
-            renewed_at=granted_at,
-            leader_key=self.leader_key,
-            leader_revision=revision,
-            credentials=None if self._username is None else (self._username, self._password or ""),
-            channel_options=ec.CHANNEL_OPTIONS,
-            renewed=renewed,
-            lost=lost,
-        )
-        self._keeper.start()
-
-    def _lost_by_keeper(self, lease_id: int, reason: str) -> None:
-        if self._lease_id == lease_id and not self._lost_fired:
-            self._losing = asyncio.ensure_future(self._lose(reason))
-
-    async def _lose(self, reason: str) -> None:
-        """End the term (once): forget the lease, tell the master."""
-        if self._lost_fired:
-            return
-        self._lost_fired = True
-        log.warning("master %s lost the leadership of job %s: %s", self._candidate, self.job_id, reason)
-        self._stop_keeper()
-        if self._lease_id is not None:
-            self._stale_leases.add(self._lease_id)
-        self._lease_id = self._leader_revision = None
-        callback, self._on_lost = self._on_lost, None
-        if callback is not None:
-            try:
-                result = callback()
-                if inspect.isawaitable(result):
-                    await result
-            except Exception:
-                log.exception("on_lost callback of job %s failed", self.job_id)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._revoke_stale(), 1.0)
-
-    async def _resign(self) -> None:
-        """End the current term quietly (no ``on_lost``) and revoke its lease if etcd answers."""
-        self._lost_fired = True
-        self._on_lost = None
-        self._stop_keeper()
-        if self._lease_id is not None:
-            self._stale_leases.add(self._lease_id)
-        self._lease_id = self._leader_revision = None
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._revoke_stale(), 2.0)
-
-    def _stop_keeper(self) -> None:
-        keeper, self._keeper = self._keeper, None
-        if keeper is not None:
-            keeper.stop()  # cancels its call in flight: returns at once
-
-    async def _revoke_stale(self) -> None:
-        """Revoke leases of former terms; raises only when etcd does not answer."""
-        for lease_id in list(self._stale_leases):
-            try:
-                await self._connect().revoke_lease(lease_id)
-            except ec.TRANSIENT:
-                raise
-            except aetcd.ClientError:
-                pass  # "requested lease not found": it expired already
-            self._stale_leases.discard(lease_id)
-
-    @property
-    def term(self) -> int:
-        """The leader key's create revision: unique per term and growing from one term to the next."""
-        return self._leader_revision or 0
-
-    @property
-    def leading(self) -> bool:
-        """True while this master holds a term whose lease was renewed recently enough that no other
-        master can have been elected yet. The time check matters when this process was frozen (SIGSTOP,
-        a VM pause, a long GC) past its lease: on thawing it must not serve a single request from its stale
-        state before the keep-alive task gets to run and notices the lost term."""
-        return self._lease_id is not None and not self._lost_fired and time.monotonic() < self._valid_until
-
     # -- state ----------------------------------------------------------------------------------------
     async def load(self) -> Snapshot | None:
         """The stored snapshot (``master/etcd_state.py``), or None for a new job."""
         try:
-            snapshot, problem = await self._records.load(self._connect())
+            snapshot, problem = await self._side.run(self._load_records())
         except (aetcd.ClientError, *ec.TRANSIENT) as exc:
             raise StoreError(
                 f"cannot read the state of job {self.job_id} from etcd at {self.endpoint}: {ec.one_line(exc)}"
@@ -345,6 +259,10 @@ class EtcdStore(StateStore):
             return snapshot
         where = f"cannot continue job {self.job_id}: its stored state ({self.state_location})"
         raise StateFormatError(f"{where} {problem}; fix or delete that key")
+
+    async def _load_records(self) -> tuple[Snapshot | None, str | None]:
+        # On the side loop, like the election: thousands of records must not wait behind the agents.
+        return await self._records.load(self._connect())
 
     async def save(self, snapshot: Snapshot) -> None:
         """Write what changed since the last save, in transactions that each check that the leader key
@@ -383,7 +301,12 @@ class EtcdStore(StateStore):
             return
         self._closed = True
         await self._resign()
-        client, self._client = self._client, None
-        if client is not None:
+        side_client = self._clients.pop(self._side.loop, None) if self._side.loop else None
+        if side_client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._side.run(side_client.close()), 2.0)
+        await self._side.aclose()
+        for client in list(self._clients.values()):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.close(), 2.0)
+        self._clients.clear()

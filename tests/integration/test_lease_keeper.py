@@ -8,6 +8,7 @@ block the loop outright (a synchronous sleep inside it, longer than the lease TT
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 
@@ -87,5 +88,24 @@ def test_a_keeper_that_finds_its_lease_revoked_ends_the_term_once(etcd_endpoint:
         finally:
             await client.close()
             await leader.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 45.0))
+
+
+def test_a_closed_store_leaves_no_thread_of_its_own(etcd_endpoint: str) -> None:
+    job = f"job-{uuid.uuid4().hex[:10]}"
+
+    async def scenario() -> None:
+        store = EtcdStore(etcd_endpoint, job, lease_ttl_s=TTL)
+        try:
+            await store.campaign("leader", LostCounter())
+            await store.save({"n": 1})
+            assert await store.load() == {"n": 1}
+            names = {t.name for t in threading.enumerate()}
+            assert {f"etcd-campaign-{job}", f"etcd-lease-{store._keeper.lease_id:x}"} <= names
+        finally:
+            await store.close()
+        left = {t.name for t in threading.enumerate()} & {f"etcd-campaign-{job}"}
+        assert not left and not any(t.name.startswith("etcd-lease-") for t in threading.enumerate())
 
     asyncio.run(asyncio.wait_for(scenario(), 45.0))
