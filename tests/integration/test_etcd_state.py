@@ -179,3 +179,38 @@ def test_the_leader_compacts_the_history_before_its_previous_save(etcd_endpoint:
             await store.close()
 
     run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_new_leader_saves_what_changed_since_its_load_without_reading_every_record_again(
+    etcd_endpoint: str, monkeypatch
+):
+    job = f"job-{uuid.uuid4().hex[:10]}"
+    first = {**job_snapshot(40), "job_id": job}
+    reads: list[int] = []
+    real_read = etcd_state.read_prefix
+
+    async def counted(*args, **kwargs):
+        reads.append(1)
+        return await real_read(*args, **kwargs)
+
+    async def scenario() -> None:
+        store = await leading_store(etcd_endpoint, job)
+        try:
+            await store.save(first)
+        finally:
+            await store.close()
+        monkeypatch.setattr(etcd_state, "read_prefix", counted)
+        successor = await leading_store(etcd_endpoint, job, "successor")
+        try:
+            loaded = await successor.load()
+            assert loaded == first and len(reads) == 1
+            changed = {**loaded, "restart_count": 2}
+            await successor.save(changed)
+            assert len(reads) == 1, "the load's read serves the first save's diff"
+            assert successor._records.last_txns == 1  # the root record alone, not 40 nodes again
+            assert await EtcdStore(etcd_endpoint, job).load() == changed
+        finally:
+            await successor.close()
+
+    run(scenario())
