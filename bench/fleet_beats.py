@@ -134,9 +134,14 @@ class Beats:
         self._slow(beat)
 
     def _answered(self, beat: _Beat, conn: StreamConn | HttpConn, fut: asyncio.Future) -> None:
-        if fut.cancelled() or fut.exception() is not None or fut.result()[0] == 503:
-            beat.link.drop(beat.link.role("heartbeat"), conn)
+        role = beat.link.role("heartbeat")
+        if fut.cancelled() or fut.exception() is not None:
+            beat.link.drop(role, conn)
             self._slow(beat)  # the agent's client tries the next address at once
+            return
+        if fut.result()[0] == 503:  # a standby: the next address, keeping the stream to this one
+            beat.link.skip(role, conn)
+            self._slow(beat)
             return
         self._record(beat, *fut.result())
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import time
 from typing import Any
 from urllib.parse import urlencode
 
@@ -235,6 +236,10 @@ class HttpConn(_Conn):
             self.waiting.set_exception(exc)
 
 
+#: Shortest time between two rounds of :meth:`Link.warm_others` of one node (the agent's client: 10 s).
+WARM_RETRY_S = 10.0
+
+
 class Link:
     """A node's calls to the master by op, over one stream (``stream=True``) or HTTP connections by role
     (the agent's three: main loop, heartbeat thread, watch thread). ``addresses``: ``host:port`` of every
@@ -255,37 +260,57 @@ class Link:
         self.stream, self.timeout, self.tls = stream, timeout, tls
         self.auth = f"Authorization: Bearer {token}\r\n{JOB_HEADER}: {job}\r\n{PROTOCOL_HEADER}: "
         self.auth += f"{PROTOCOL_VERSION}\r\n"
-        self.conns: dict[str, StreamConn | HttpConn] = {}
-        self._opening: dict[str, asyncio.Future] = {}
+        #: Open connections by (role, address index): over the stream, one to every master (the leader's
+        #: and an idle one to each standby, as the agent keeps them).
+        self.conns: dict[tuple[str, int], StreamConn | HttpConn] = {}
+        self._opening: dict[tuple[str, int], asyncio.Future] = {}
         self.opened = 0  # connections made in all (a reconnect after a failover counts again)
+        self._warmed = float("-inf")  # when warm_others last ran
+        self._warming: set[asyncio.Task] = set()
+        self._closed = False
 
-    def _address(self) -> tuple[str, int]:
-        return self.addresses[self.index % len(self.addresses)]
+    def _key(self, role: str, index: int | None = None) -> tuple[str, int]:
+        return role, self.index % len(self.addresses) if index is None else index
 
     def drop(self, role: str, conn: StreamConn | HttpConn) -> None:
-        """Forget ``conn`` and move on to the next address, once (several calls may fail with it)."""
-        if self.conns.get(role) is conn:
-            del self.conns[role]
-            self.index += 1
+        """Forget ``conn`` and move on to the next address if it was the current one (once: several calls
+        may fail with it)."""
+        for key, held in list(self.conns.items()):
+            if held is conn:
+                del self.conns[key]
+                if key[1] == self.index % len(self.addresses):
+                    self.index += 1
         conn.close()
 
+    def skip(self, role: str, conn: StreamConn | HttpConn) -> None:
+        """``conn``'s master answered 503 (a standby): move on to the next address. A stream stays open,
+        as the agent keeps it (the way in when that master leads); an HTTP connection is dropped."""
+        if not self.stream:
+            return self.drop(role, conn)
+        if self.conns.get(self._key(role)) is conn:
+            self.index += 1
+
     def close(self) -> None:
+        self._closed = True
+        for task in self._warming:
+            task.cancel()
         for conn in self.conns.values():
             conn.close()
         self.conns.clear()
 
-    async def conn(self, role: str) -> StreamConn | HttpConn:
-        """The open connection of ``role`` (all ops share ``stream``), opened once even if several calls
-        wait for it."""
-        conn = self.conns.get(role)
+    async def conn(self, role: str, index: int | None = None) -> StreamConn | HttpConn:
+        """The open connection of ``role`` (all ops share ``stream``) to the current address (or to
+        ``addresses[index]``), opened once even if several calls wait for it."""
+        key = self._key(role, index)
+        conn = self.conns.get(key)
         if conn is not None and not conn.closed:
             return conn
-        if role in self._opening:
-            return await asyncio.shield(self._opening[role])
+        if key in self._opening:
+            return await asyncio.shield(self._opening[key])
         fut = asyncio.get_running_loop().create_future()
-        self._opening[role] = fut
+        self._opening[key] = fut
         try:
-            host, port = self._address()
+            host, port = self.addresses[key[1]]
             if self.stream:
                 head = f"GET {STREAM_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: Upgrade\r\n"
                 head += f"Upgrade: {STREAM_UPGRADE}\r\n{self.auth}\r\n"
@@ -293,23 +318,47 @@ class Link:
             else:
                 conn = await HttpConn.open(host, port, self.timeout, self.tls)
         except WireError as exc:
-            self.index += 1
+            if index is None:
+                self.index += 1
             fut.set_exception(exc)
             fut.exception()
             raise
         finally:
-            self._opening.pop(role, None)
+            self._opening.pop(key, None)
         self.opened += 1
-        self.conns[role] = conn
+        self.conns[key] = conn
         fut.set_result(conn)
         return conn
+
+    def warm_others(self) -> None:
+        """The current master answered: open an idle stream to every other address that has none (each
+        at most every :data:`WARM_RETRY_S`), as the agent's client does."""
+        now = time.monotonic()
+        if not self.stream or self._closed or now - self._warmed < WARM_RETRY_S:
+            return
+        self._warmed = now
+        current = self.index % len(self.addresses)
+        for i in range(len(self.addresses)):
+            held = self.conns.get(("stream", i))
+            if i != current and (held is None or held.closed):
+                task = asyncio.get_running_loop().create_task(self._warm(i))
+                self._warming.add(task)
+                task.add_done_callback(self._warming.discard)
+
+    async def _warm(self, index: int) -> None:
+        try:
+            conn = await self.conn("stream", index)
+        except WireError:
+            return  # tried again later
+        if self._closed:
+            conn.close()
 
     def role(self, op: str) -> str:
         return "stream" if self.stream else HTTP_ROLE.get(op, "main")
 
     def ready(self, op: str) -> StreamConn | HttpConn | None:
         """The open connection ``op`` goes on, if there is one (the synchronous fast path of heartbeats)."""
-        conn = self.conns.get(self.role(op))
+        conn = self.conns.get(self._key(self.role(op)))
         return None if conn is None or conn.closed else conn
 
     def encode(
@@ -362,8 +411,9 @@ class Link:
                 last = exc
                 continue
             if reply[0] != 503:
+                self.warm_others()
                 return reply
-            self.drop(role, conn)  # a standby, or a master stepping down
+            self.skip(role, conn)  # a standby, or a master stepping down
             last = reply
         if isinstance(last, WireError):
             raise last

@@ -6,7 +6,8 @@ client: heartbeats, the watch long-poll and the main loop run concurrently on on
 without the stream (an older release: 404 to the upgrade), ``ELASTIC_MASTER_STREAM=0``, and the
 operator's calls (status, readmit) use plain HTTP, with one ``httpx.Client`` per thread. Several master
 addresses may be given; the client sticks to the one that answered last and moves on to the next when
-it is unreachable or answers that it is not the leader (503), closing its stream to that one.
+it is unreachable or answers that it is not the leader (503). It keeps an idle stream open to every
+other master too, so that a takeover costs its agents one frame, not a reconnection each.
 
 With a CA file (``tls_ca``) every address is spoken to over https and the master's certificate is verified
 against that CA, host name included (``elastic.tls``). A TLS failure that retrying cannot fix (the
@@ -179,12 +180,10 @@ class MasterClient:
                 continue
             if status == 503:  # a standby master (or one stepping down, or at its cap): try the next address
                 last = MasterRejectedError(503, ErrorCode.NOT_LEADER, _text(payload))
-                if self._streams is not None:
-                    self._streams.drop(index)
-                continue
+                continue  # a stream to a standby stays open: it is the way in when that one leads
             self._preferred = index
             if self._streams is not None:
-                self._streams.keep_only(index)  # it answers, so it leads: no stream to any other
+                self._streams.warm_others(index, timeout)  # it leads: keep a stream open to each standby
             if status >= 400:
                 raise _rejection(status, payload)
             try:

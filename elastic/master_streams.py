@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,8 @@ _OFF = frozenset({"0", "false", "no", "off"})
 #: Answers to the upgrade that mean "no stream here", remembered: 404, a master of an older release; 426,
 #: the upgrade headers were lost on the way (a proxy that does not pass upgrades on).
 _NO_STREAM = frozenset({404, 426})
+#: Shortest time between two attempts of :meth:`MasterStreams.warm_others` at one address.
+WARM_RETRY_S = 10.0
 #: The master's own refusals of the upgrade (docs/protocol.md): the call's answer, as over HTTP. Any other
 #: status (a proxy's 400 or 502, say) sends that call over plain HTTP, without remembering it.
 _REFUSALS = frozenset({401, 409, 429, 503})
@@ -54,6 +57,8 @@ class MasterStreams:
         self._without: set[int] = set()  # addresses whose master answered the upgrade 404
         # One opener per address: the threads that need a stream at once wait for it, none opens a second.
         self._openers = [threading.Lock() for _ in addresses]
+        self._warmed: dict[int, float] = {}  # address -> when warm_others last tried to open its stream
+        self._closes = 0  # calls of close(), so that a stream warmed meanwhile is not left open
 
     def offered(self, index: int) -> bool:
         """False when the master at ``index`` is known to have no stream."""
@@ -124,20 +129,40 @@ class MasterStreams:
             self._without.discard(index)
 
     def drop(self, index: int) -> None:
-        """Close the stream to ``addresses[index]`` (it answered 503: it does not lead)."""
+        """Close the stream to ``addresses[index]``."""
         with self._lock:
             stream = self._streams.pop(index, None)
         if stream is not None:
             stream.close()
 
-    def keep_only(self, index: int) -> None:
-        """Close the streams to every other address: the master at ``index`` answered, so it leads."""
+    def warm_others(self, index: int, timeout: float) -> None:
+        """The master at ``index`` answered (it leads): make sure a stream is open to every other address,
+        in the background, so that when this one fails its successor is one frame away, not a connection
+        and an upgrade behind 10,000 others. An address is tried at most every :data:`WARM_RETRY_S`."""
+        now = time.monotonic()
         with self._lock:
-            if not self._streams or self._streams.keys() == {index}:
-                return
-            others = [self._streams.pop(i) for i in list(self._streams) if i != index]
-        for stream in others:
-            stream.close()
+            todo = [
+                i
+                for i in range(len(self.addresses))
+                if i != index
+                and i not in self._without
+                and (i not in self._streams or self._streams[i].closed)
+                and now - self._warmed.get(i, float("-inf")) >= WARM_RETRY_S
+            ]
+            for i in todo:
+                self._warmed[i] = now
+        for i in todo:
+            threading.Thread(target=self._warm, args=(i, timeout), name="stream-warm", daemon=True).start()
+
+    def _warm(self, index: int, timeout: float) -> None:
+        closes = self._closes
+        try:
+            self._stream(index, timeout)
+        except (MasterError, OSError) as exc:  # a refusal (at its cap, an older standby), no answer: later
+            log.debug("no standby stream to %s yet: %s", self.addresses[index], exc)
+            return
+        if self._closes != closes:  # the client closed its streams meanwhile: this one goes too
+            self.drop(index)
 
     def open_count(self) -> int:
         """How many streams are open now."""
@@ -147,6 +172,7 @@ class MasterStreams:
     def close(self) -> None:
         """Close every stream (their pending calls fail); a later call opens a new one."""
         with self._lock:
+            self._closes += 1
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
             stream.close()

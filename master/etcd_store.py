@@ -302,10 +302,7 @@ class EtcdStore(EtcdTerm, StateStore):
         self._closed = True
         await self._resign()
         side_client = self._clients.pop(self._side.loop, None) if self._side.loop else None
-        if side_client is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._side.run(side_client.close()), 2.0)
-        await self._side.aclose()
+        await self._side.aclose(side_client.close if side_client is not None else None)
         for client in list(self._clients.values()):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.close(), 2.0)

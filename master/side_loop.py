@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -43,8 +43,11 @@ class SideLoop:
         """Run ``coro`` on the side loop and await its result here; cancelling this cancels it there."""
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._started()))
 
-    async def aclose(self, timeout_s: float = 5.0) -> None:
-        """Cancel what still runs on the side loop, wait for it to finish, stop the loop, join the thread."""
+    async def aclose(
+        self, last: Callable[[], Awaitable[object]] | None = None, timeout_s: float = 5.0
+    ) -> None:
+        """Cancel what still runs on the side loop and wait for it to finish, then run ``last()`` there
+        (closing what those tasks used), stop the loop and join the thread."""
         loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
         if loop is None or thread is None:
             return
@@ -54,6 +57,8 @@ class SideLoop:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if last is not None:
+                await last()
 
         with contextlib.suppress(Exception):
             await asyncio.wait_for(

@@ -120,12 +120,13 @@ class StreamEndpoint:
             transport.write(refusal_response(refusal))
             transport.close()
             return
-        try:
-            self.service.leading_job()
-        except ApiError as exc:
-            transport.write(http_response(exc.status, _error(exc.code, exc.message)))
+        if self.service.stopping:
+            message = f"master {self.service.master_id} is shutting down; ask another master"
+            transport.write(http_response(503, _error(ErrorCode.NOT_LEADER, message)))
             transport.close()
             return
+        # A standby accepts the stream too (its calls answer 503 not_leader until it leads): agents keep an
+        # idle stream to every master, so that a takeover meets no reconnect storm (docs/protocol.md).
         transport.write(SWITCHING)
         client_revision = revision(headers.get(_PROTOCOL_HEADER, b"").decode(errors="replace"))
         stream = StreamConnection(self, transport, client_revision, protocol.connections, protocol.guard)

@@ -144,7 +144,9 @@ ONE_NODE = dict(min_nodes=1, max_nodes=1)
 
 
 @pytest.mark.etcd
-def test_a_standby_refuses_the_upgrade_with_503_not_leader(masters: Masters, etcd_endpoint: str):
+def test_a_standby_accepts_the_stream_and_answers_each_call_503_not_leader(
+    masters: Masters, etcd_endpoint: str
+):
     from master.etcd_store import EtcdStore  # imported only where etcd runs
 
     job = unique_job(JOB_ID)
@@ -156,9 +158,11 @@ def test_a_standby_refuses_the_upgrade_with_503_not_leader(masters: Masters, etc
     standby = masters.start(
         store=EtcdStore(etcd_endpoint, job, lease_ttl_s=2), job_id=job, store_url=store_url, **ONE_NODE
     )
-    refused = masters.stream(standby, job_id=job)
-    assert refused.answer.status == 503, refused.answer
-    assert refused.answer.json()["error"] == "not_leader" and refused.closed_by_peer(10)
+    # Agents keep an idle stream to every standby; each call on it is refused until that master leads.
+    spare = opened(masters.stream(standby, job_id=job))
+    for call_id, op in enumerate(("info", "heartbeat"), start=1):
+        refused = spare.call(id=call_id, op=op, body=beat_body("a") if op == "heartbeat" else None)
+        assert (refused["status"], refused["body"]["error"]) == (503, "not_leader"), refused
     stream = opened(masters.stream(leader, job_id=job))
     # Write-ahead over the stream: a reply that reveals durable state (a node's secret, a restart) is
     # sent once etcd holds it; a steady heartbeat's needs no wait.

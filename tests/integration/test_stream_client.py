@@ -1,5 +1,5 @@
 """The agent's client (elastic.client.MasterClient) on the agent stream, against real masters: one connection
-carries heartbeats while a watch long-poll waits; a standby's refusal and a leader that steps down send the
+carries heartbeats while a watch long-poll waits; a standby's 503 and a leader that steps down send the
 client to the next master; a killed master connection fails the pending call over at once; a master without
 the stream is spoken to over plain HTTP; TLS; ``ELASTIC_MASTER_STREAM=0``.
 
@@ -150,7 +150,7 @@ def test_a_master_without_the_stream_is_spoken_to_over_http(masters, monkeypatch
 
 
 @pytest.mark.timeout(90)
-def test_a_standby_refuses_the_stream_and_a_leader_stepping_down_sends_the_client_on(masters, etcd_endpoint):
+def test_a_client_keeps_a_stream_to_the_standby_and_the_takeover_answers_on_it(masters, etcd_endpoint):
     first, second = masters.start(store_url=etcd_endpoint), masters.start(store_url=etcd_endpoint)
 
     def leader() -> EmbeddedMaster | None:
@@ -159,25 +159,34 @@ def test_a_standby_refuses_the_stream_and_a_leader_stepping_down_sends_the_clien
 
     old = wait_until(leader, 20, "one master to lead")
     standby = second if old is first else first
-    # The standby is tried first: it refuses the upgrade (503 not_leader) and the leader answers.
+    # The standby is tried first: it accepts the stream, answers the call 503 not_leader, the leader answers.
     client = masters.client(standby.address, old.address)
     assert client.info().master_id == old.service.master_id
-    assert (connections_to(standby.address), connections_to(old.address)) == (0, 1)
+    streams = client._streams
+    assert streams is not None
+    wait_until(
+        lambda: (connections_to(standby.address), connections_to(old.address)) == (1, 1),
+        10,
+        "one stream to each master, the standby's kept open",
+    )
+    to_standby = streams._streams[0]
     round_number = join_round(client)
 
     with ThreadPoolExecutor(1) as pool:
         watch = pool.submit(_answered, lambda: client.watch("a", round_number, LONG_POLL_S))
         wait_until(lambda: long_polls_open(old) == 1, 10, "the watch to wait at the leader")
         # The leader loses its lease: it stops leading but stays up, and answers the pending watch 503
-        # not_leader on the stream. The client closes that stream and asks the other master.
+        # not_leader on the stream. The client asks the other master, on the stream it already holds.
         revoke_leader_lease(etcd_endpoint, masters.job_id)
-        wait_until(lambda: connections_to(old.address) == 0, 20, "the stream to the old leader to close")
+        wait_until(lambda: long_polls_open(old) == 0, 20, "the old leader to answer the watch")
         assert _info_status(old.address, masters.job_id) == 503, "it is up, and does not lead"
         reply = wait_until(lambda: _answered(lambda: beat(client, round_number)), 20, "a heartbeat answered")
         assert reply.master_id == standby.service.master_id
-        assert (connections_to(standby.address), connections_to(old.address)) == (1, 0)
+        assert streams._streams[0] is to_standby and not to_standby.closed, "no new connection"
+        assert (connections_to(standby.address), connections_to(old.address)) == (1, 1)
         client.close()  # ends the watch, wherever it waits now
         watch.result(10)
+    assert streams.open_count() == 0
 
 
 def revoke_leader_lease(endpoint: str, job_id: str) -> None:
