@@ -1,4 +1,4 @@
-"""The etcd client's plumbing shared by the store's parts: endpoints, errors, one lease renewal.
+"""The etcd client's plumbing shared by the store's parts: endpoints, errors, waiting for a vacancy.
 
 Only the ``master/etcd_*.py`` modules import the etcd client (``aetcd``).
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 
 import aetcd
-from aetcd import rpc
 from aetcd.rtypes import EventKind
 
 from master.store import StoreError
@@ -58,33 +57,6 @@ def parse_endpoints(text: str) -> list[tuple[str, int]]:
 def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text or type(exc).__name__
-
-
-async def refresh_lease(client: aetcd.Client, lease_id: int) -> rpc.LeaseKeepAliveResponse | None:
-    """Renew a lease once. Unlike ``aetcd.Client.refresh_lease``, the request stream stays open until the
-    reply came: etcd's grpc-proxy cancels a keep-alive whose client closed its side first ("context
-    canceled"), which would make every renewal through the proxy fail."""
-    await client.connect()
-    answered = asyncio.Event()
-
-    async def requests():
-        yield rpc.LeaseKeepAliveRequest(ID=lease_id)
-        await answered.wait()
-
-    call = client.leasestub.LeaseKeepAlive(requests(), timeout=RPC_TIMEOUT_S, metadata=client.metadata)
-    try:
-        async for reply in call:
-            return reply
-        return None
-    except rpc.AioRpcError as exc:
-        if exc.code() is rpc.StatusCode.UNAVAILABLE:
-            raise aetcd.ConnectionFailedError(exc.details()) from None
-        if exc.code() is rpc.StatusCode.DEADLINE_EXCEEDED:
-            raise aetcd.ConnectionTimeoutError(exc.details()) from None
-        raise aetcd.ClientError(exc.details()) from None
-    finally:
-        answered.set()
-        call.cancel()
 
 
 #: Longest wait for the leader key to go away before the campaign simply tries again.

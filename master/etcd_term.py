@@ -92,13 +92,8 @@ class EtcdTerm:
         """End the term (once): forget the lease, tell the master."""
         if self._lost_fired:
             return
-        self._lost_fired = True
         log.warning("master %s lost the leadership of job %s: %s", self._candidate, self.job_id, reason)
-        self._stop_keeper()
-        if self._lease_id is not None:
-            self._stale_leases.add(self._lease_id)
-        self._lease_id = self._leader_revision = None
-        callback, self._on_lost = self._on_lost, None
+        callback = self._end_term()
         if callback is not None:
             try:
                 result = callback()
@@ -111,19 +106,21 @@ class EtcdTerm:
 
     async def _resign(self) -> None:
         """End the current term quietly (no ``on_lost``) and revoke its lease if etcd answers."""
-        self._lost_fired = True
-        self._on_lost = None
-        self._stop_keeper()
-        if self._lease_id is not None:
-            self._stale_leases.add(self._lease_id)
-        self._lease_id = self._leader_revision = None
+        self._end_term()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._revoke_stale(), 2.0)
 
-    def _stop_keeper(self) -> None:
+    def _end_term(self) -> Callable[[], Awaitable[None] | None] | None:
+        """Stop renewing, mark the term's lease for revocation, forget the term; its ``on_lost``."""
+        self._lost_fired = True
         keeper, self._keeper = self._keeper, None
         if keeper is not None:
             keeper.stop()  # cancels its call in flight: returns at once
+        if self._lease_id is not None:
+            self._stale_leases.add(self._lease_id)
+        self._lease_id = self._leader_revision = None
+        callback, self._on_lost = self._on_lost, None
+        return callback
 
     async def _revoke_stale(self) -> None:
         """Revoke leases of former terms; raises only when etcd does not answer."""
@@ -146,5 +143,5 @@ class EtcdTerm:
         """True while this master holds a term whose lease was renewed recently enough that no other
         master can have been elected yet. The time check matters when this process was frozen (SIGSTOP,
         a VM pause, a long GC) past its lease: on thawing it must not serve a single request from its stale
-        state before the keep-alive task gets to run and notices the lost term."""
+        state before the lease keeper's report of the lost term gets to run on its loop."""
         return self._lease_id is not None and not self._lost_fired and time.monotonic() < self._valid_until

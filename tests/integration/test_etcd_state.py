@@ -41,6 +41,15 @@ async def keys_of(endpoint: str, job: str) -> set[str]:
         await client.close()
 
 
+async def save_and_resign(endpoint: str, job: str, snapshot: dict) -> None:
+    """A leader saves ``snapshot`` and closes (a successor may take over at once)."""
+    store = await leading_store(endpoint, job)
+    try:
+        await store.save(snapshot)
+    finally:
+        await store.close()
+
+
 async def leading_store(endpoint: str, job: str, name: str = "m") -> EtcdStore:
     store = EtcdStore(endpoint, job)
     await store.start()
@@ -102,11 +111,7 @@ def test_a_save_cut_off_half_way_is_not_seen_and_the_next_leader_cleans_it_up(et
     second["nodes"][0]["state"] = "failed"
 
     async def scenario() -> None:
-        store = await leading_store(etcd_endpoint, job)
-        try:
-            await store.save(first)
-        finally:
-            await store.close()
+        await save_and_resign(etcd_endpoint, job, first)
         # A deposed master's save that stopped before its root record: its other records are there.
         batches = layout.plan(layout.encode(first), layout.encode(second))
         partial = [(k, v) for batch in batches for k, v in batch if k != layout.ROOT and v is not None]
@@ -195,11 +200,7 @@ def test_a_new_leader_saves_what_changed_since_its_load_without_reading_every_re
         return await real_read(*args, **kwargs)
 
     async def scenario() -> None:
-        store = await leading_store(etcd_endpoint, job)
-        try:
-            await store.save(first)
-        finally:
-            await store.close()
+        await save_and_resign(etcd_endpoint, job, first)
         monkeypatch.setattr(etcd_state, "read_prefix", counted)
         successor = await leading_store(etcd_endpoint, job, "successor")
         try:

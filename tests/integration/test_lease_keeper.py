@@ -83,7 +83,11 @@ def test_a_keeper_that_finds_its_lease_revoked_ends_the_term_once(etcd_endpoint:
             while lost.calls == 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             assert lost.calls == 1 and not leader.leading
-            await asyncio.sleep(TTL)  # the stopped keeper renews nothing and reports nothing more
+            # The keeper that reported it has stopped: nothing renews that lease or reports it again.
+            deadline = time.monotonic() + 2 * TTL
+            while any(t.name == f"etcd-lease-{key.lease:x}" for t in threading.enumerate()):
+                assert time.monotonic() < deadline, "the keeper thread of the lost term is still running"
+                await asyncio.sleep(0.02)
             assert lost.calls == 1
         finally:
             await client.close()
