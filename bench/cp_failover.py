@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from bench import common as c
 from bench.cp_master import (
@@ -33,6 +34,32 @@ from bench.fleet_driver import Fleet
 from elastic.protocol import API_PREFIX, JOB_HEADER
 
 TOKEN = "bench-control-plane-token"
+
+
+class _CpuMeter:
+    """CPU seconds (user + system) of processes since this meter was made, by PID; 0 once one is gone."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self._procs = []
+        for pid in pids:
+            try:
+                self._procs.append(psutil.Process(pid))
+            except psutil.Error:
+                self._procs.append(None)
+        self._start = self._now()
+
+    def _now(self) -> list[float]:
+        out = []
+        for proc in self._procs:
+            try:
+                t = proc.cpu_times() if proc is not None else None
+                out.append(t.user + t.system if t is not None else 0.0)
+            except psutil.Error:
+                out.append(0.0)
+        return out
+
+    def seconds(self) -> list[float]:
+        return [round(max(0.0, b - a), 2) for a, b in zip(self._start, self._now(), strict=True)]
 
 
 def leading(port: int, job: str, tls: ssl.SSLContext | None = None) -> bool:
@@ -118,14 +145,22 @@ async def _kill_and_watch(
     await asyncio.sleep(3 * args.heartbeat_interval)  # steady before the crash
     masters[lead].kill_tree()
     killed = time.time()
+    c.log(f"failover: leader (master-{lead}) SIGKILLed")
     await fleet.mark_failover(killed)
     deadline = time.monotonic() + args.failover_watch + 60.0
     back: list[float] = []
+    standby = masters[1 - lead]
+    cpu = _CpuMeter([standby.pid] + [p.pid for p in fleet.procs])
+    # Seconds after the kill, nodes served, CPU seconds of the standby and of the load generator since.
+    timeline: list[tuple[float, int, float, float]] = []
     while time.monotonic() < deadline:
         back = await fleet.failover_back()
+        used = cpu.seconds()
+        timeline.append((round(time.time() - killed, 2), len(back), used[0], sum(used[1:])))
         if len(back) >= n:
             break
         await asyncio.sleep(0.2)
+    out["failover_timeline"] = timeline
     took = [t - killed for t in back]
     out.update(
         failover_nodes_served=len(took),
@@ -135,7 +170,6 @@ async def _kill_and_watch(
     )
     c.log(f"failover: {len(took)}/{n} nodes served again, last after {max(took, default=0):.2f} s")
     await asyncio.sleep(args.failover_watch)  # a node the standby forgot would be declared dead by now
-    standby = masters[1 - lead]
     elected = first_event_at(events[1 - lead], "master_takeover", since=killed)
     out["failover_elected_s"] = None if elected is None else elected - killed  # the rest is the reconnects
     out["failover_false_dead_verdicts"] = count_events(

@@ -137,22 +137,24 @@ class Beats:
         role = beat.link.role("heartbeat")
         if fut.cancelled() or fut.exception() is not None:
             beat.link.drop(role, conn)
-            self._slow(beat)  # the agent's client tries the next address at once
+            self._slow(beat, tried=1)  # the agent's client tries the next address at once
             return
         if fut.result()[0] == 503:  # a standby: the next address, keeping the stream to this one
             beat.link.skip(role, conn)
-            self._slow(beat)
+            self._slow(beat, tried=1)
             return
         self._record(beat, *fut.result())
 
-    def _slow(self, beat: _Beat) -> None:
-        task = asyncio.create_task(self._call(beat))
+    def _slow(self, beat: _Beat, tried: int = 0) -> None:
+        """Send ``beat`` the slow way, to each address not ``tried`` yet (the agent's client tries each
+        address once a call)."""
+        task = asyncio.create_task(self._call(beat, tried))
         self._slow_tasks.add(task)
         task.add_done_callback(self._slow_tasks.discard)
 
-    async def _call(self, beat: _Beat) -> None:
+    async def _call(self, beat: _Beat, tried: int) -> None:
         try:
-            status, reply = await beat.link.call("heartbeat", encoded=beat.data)
+            status, reply = await beat.link.call("heartbeat", encoded=beat.data, tried=tried)
         except WireError as exc:
             status, reply = "lost", str(exc)
         self._record(beat, status, reply)

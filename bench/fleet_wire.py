@@ -238,6 +238,11 @@ class HttpConn(_Conn):
 
 #: Shortest time between two rounds of :meth:`Link.warm_others` of one node (the agent's client: 10 s).
 WARM_RETRY_S = 10.0
+#: How long a refused connection (nobody listens: a master that died) counts as the answer for every node of
+#: this process. A real agent pays its own connect on its own machine; 10,000 fake nodes on the master's
+#: two cores would otherwise spend more CPU than the master on connects that all fail alike.
+REFUSED_MEMO_S = 0.1
+_refused_at: dict[tuple[str, int], tuple[float, str]] = {}
 
 
 class Link:
@@ -307,10 +312,15 @@ class Link:
             return conn
         if key in self._opening:
             return await asyncio.shield(self._opening[key])
+        host, port = self.addresses[key[1]]
+        refused = _refused_at.get((host, port))
+        if refused is not None and time.monotonic() - refused[0] < REFUSED_MEMO_S:
+            if index is None:
+                self.index += 1
+            raise WireError(refused[1])  # a new one: a re-raised exception would grow its traceback
         fut = asyncio.get_running_loop().create_future()
         self._opening[key] = fut
         try:
-            host, port = self.addresses[key[1]]
             if self.stream:
                 head = f"GET {STREAM_PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: Upgrade\r\n"
                 head += f"Upgrade: {STREAM_UPGRADE}\r\n{self.auth}\r\n"
@@ -318,6 +328,8 @@ class Link:
             else:
                 conn = await HttpConn.open(host, port, self.timeout, self.tls)
         except WireError as exc:
+            if isinstance(exc.__cause__, ConnectionRefusedError):
+                _refused_at[host, port] = (time.monotonic(), str(exc))
             if index is None:
                 self.index += 1
             fut.set_exception(exc)
@@ -385,15 +397,17 @@ class Link:
         query: dict | None = None,
         body: Any = None,
         encoded: bytes = b"",
+        tried: int = 0,
     ) -> Reply:
         """One call, tried on each master address in turn (as the agent's client does): a connection that
         cannot be made or is lost, or a ``503`` (a standby), moves on to the next address. ``encoded``:
-        :meth:`encode`'s bytes, prebuilt. Raises :class:`WireError` when no address answered; the last 503
+        :meth:`encode`'s bytes, prebuilt; ``tried``: addresses this call was already sent to (the next
+        ones are tried, each once). Raises :class:`WireError` when no address answered; the last 503
         is returned."""
         role = self.role(op)
         data = encoded or self.encode(op, secret, query, body)
         last: WireError | Reply = WireError("no master address")
-        for _ in self.addresses:
+        for _ in range(len(self.addresses) - tried):
             try:
                 conn = await self.conn(role)
             except Refused as exc:

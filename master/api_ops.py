@@ -121,6 +121,7 @@ async def next_round(
 ) -> RoundReply:
     """``GET /v1/round``: long-poll for the node's assignment in a round newer than ``query.after``."""
     node_id = query.node_id
+    await held(service)
     reply = await service.long_poll(
         lambda: service.leading_job().next_round(node_id, query.after, node_secret),
         query.timeout,
@@ -143,7 +144,14 @@ def beat(service: MasterService, req: HeartbeatRequest, node_secret: str | None)
 
 async def heartbeat(service: MasterService, req: HeartbeatRequest, node_secret: str | None) -> CommandReply:
     """``POST /v1/heartbeat``."""
+    await held(service)
     return await stored(service, beat(service, req, node_secret))
+
+
+async def held(service: MasterService) -> None:
+    """A standby holds a joined node's call until it leads, or briefly (master.standby_hold)."""
+    if service.holds_calls():
+        await service.standby_hold.wait()
 
 
 async def watch(
@@ -156,6 +164,7 @@ async def watch(
     continue. ``query.term``: the term of the node's round (its assignment's); omitted by agents that
     predate terms."""
     node_id, round_, term = query.node_id, query.round, query.term
+    await held(service)
 
     def probe() -> CommandReply | None:
         reply = service.leading_job().watch(node_id, round_, node_secret, term)

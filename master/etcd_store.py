@@ -269,11 +269,9 @@ class EtcdStore(EtcdTerm, StateStore):
         is still this term's; raise :class:`StoreError` when it is not, or etcd fails."""
         if not self.leading:
             raise StoreError(f"not saving the state of job {self.job_id}: this master does not lead it")
-        revision, candidate, client = self._leader_revision, self._candidate or "", self._connect()
+        revision, candidate = self._leader_revision, self._candidate or ""
         try:
-            tx = client.transactions
-            fence = [tx.create(self.leader_key) == revision, tx.value(self.leader_key) == candidate.encode()]
-            ok = await self._records.save(client, snapshot, fence)
+            ok = await self._side.run(self._save_records(snapshot, revision, candidate))
         except (aetcd.ClientError, *ec.TRANSIENT) as exc:
             raise StoreError(
                 f"cannot save the state of job {self.job_id} to etcd at {self.endpoint}: {ec.one_line(exc)}"
@@ -283,6 +281,15 @@ class EtcdStore(EtcdTerm, StateStore):
             raise StoreError(
                 f"refused to save the state of job {self.job_id}: this master no longer leads it"
             )
+
+    async def _save_records(self, snapshot: Snapshot, revision: int, candidate: str) -> bool:
+        # On the side loop: the first save of a term gates every reply, and the main loop is then busy with
+        # 10,000 agents coming back (a transaction of 5 records took 0.5 s there, 40 ms here); encoding
+        # the records no longer blocks the main loop in one piece either.
+        client = self._connect()
+        tx = client.transactions
+        fence = [tx.create(self.leader_key) == revision, tx.value(self.leader_key) == candidate.encode()]
+        return await self._records.save(client, snapshot, fence)
 
     @property
     def state_location(self) -> str:

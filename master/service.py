@@ -30,6 +30,7 @@ from master.http_errors import ApiError
 from master.job import Job
 from master.master_health import MasterHealth
 from master.settings import ServerSettings
+from master.standby_hold import StandbyHold, hold_seconds
 from master.state_schema import describe as describe_unreadable
 from master.store import MemoryStore, StateFormatError, StateStore, StoreError
 from master.supervision import MasterFailure, Supervisor
@@ -76,6 +77,7 @@ class MasterService:
         self.store = store or MemoryStore()
         self.master_id = uuid.uuid4().hex[:12]
         self.job: Job | None = None  # None while standing by
+        self.standby_hold = StandbyHold(hold_seconds(settings.job.heartbeat_timeout_s))
         self._notifier: Notifier | None = None
         #: Keeps full garbage collections off the heartbeat path (the daemon sets one: master.gc_pacing).
         self.gc_pacer: GcPacer | None = None
@@ -253,6 +255,7 @@ class MasterService:
                 "master %s lost the leadership of job %s; standing by", self.master_id, job_settings.job_id
             )
             self.job = None
+            self.standby_hold.lost()
             self.notifier.notify()
 
     def _restore(self, snapshot: dict, now: float, term: int) -> Job:
@@ -292,6 +295,10 @@ class MasterService:
                 continue
             took = time.perf_counter() - began
             self.health.store_write(took)
+            if self._saved_version < 0:  # the term's first save: every reply since the election waited for it
+                waited = self.clock() - self._led_since
+                log.info("first save of this term: %.3fs (%.3fs after the election)", took, waited)
+                self.standby_hold.led()  # held calls go on only now: none of them waits for this save
             if self.event_log is not None:  # only events the store holds: a successor never repeats one
                 self.event_log.write(e for e in job.events if e.seq <= snapshot["event_count"])
             if job is self.job:
@@ -307,6 +314,10 @@ class MasterService:
         if self._saved is None:  # created lazily inside the running loop
             self._saved = asyncio.Event()
         return self._saved
+
+    def holds_calls(self) -> bool:
+        """Whether a joined node's call waits on :attr:`standby_hold` first: this master stands by."""
+        return self.store.durable and not self.stopping and (self.job is None or not self.store.leading)
 
     def holds_current_state(self) -> bool:
         """Whether :meth:`stored` would return at once (the store is not durable, or holds the leading

@@ -311,7 +311,10 @@ class StreamConnection(asyncio.Protocol):
         self._spawn(call_id, lambda: api_ops.next_round(self.service, q, secret), q.node_id, secret)
 
     def _heartbeat(self, call_id: int, secret: str | None, query: dict, body: Any) -> None:
-        reply = api_ops.beat(self.service, _validate(HeartbeatRequest, body), secret)
+        req = _validate(HeartbeatRequest, body)
+        if self.service.holds_calls():  # a standby: held until it leads, or briefly (master.standby_hold)
+            return self._spawn(call_id, lambda: api_ops.heartbeat(self.service, req, secret))
+        reply = api_ops.beat(self.service, req, secret)
         if self.service.holds_current_state():  # the steady case: answered here, no task
             self._send(call_id, 200, self._dump(reply))
         else:  # write-ahead: the reply waits until the store holds what it may reveal

@@ -176,6 +176,40 @@ def test_a_standby_accepts_the_stream_and_answers_each_call_503_not_leader(
 
 
 @pytest.mark.etcd
+def test_a_standby_holds_a_nodes_heartbeat_and_watch_and_answers_them_once_it_leads(
+    masters: Masters, etcd_endpoint: str
+):
+    """During a failover a node's calls wait at the standby for its election instead of a 503 each."""
+    from master.etcd_store import EtcdStore  # imported only where etcd runs
+
+    job = unique_job(JOB_ID)
+    store_url = f"etcd://{etcd_endpoint}"
+    leader = masters.start(
+        store=EtcdStore(etcd_endpoint, job, lease_ttl_s=2), job_id=job, store_url=store_url, **ONE_NODE
+    )
+    wait_until(lambda: leader.service.job is not None, 20, "the first master to lead")
+    standby = masters.start(
+        store=EtcdStore(etcd_endpoint, job, lease_ttl_s=2), job_id=job, store_url=store_url, **ONE_NODE
+    )
+    hold = standby.service.standby_hold
+    hold.seconds = 30.0  # longer than any takeover, on any machine: a 503 now means the hold failed
+    secret = masters.stream(leader, job_id=job).call(id=1, op="join", body=join_body("a", **ONE_NODE))
+    secret = secret["body"]["node_secret"]
+    spare = opened(masters.stream(standby, job_id=job))
+    spare.send(id=1, op="heartbeat", secret=secret, body=beat_body("a"))
+    spare.send(id=2, op="watch", secret=secret, query={"node_id": "a", "round": 0, "timeout": LONG_POLL_S})
+    wait_until(lambda: hold.waiting == 2, 10, "the standby to hold both calls")
+    assert spare.silent_for(0.2), "a held call was answered while the leader still led"
+    leader.stop()  # steps down: the lease is revoked and the standby elected
+    beat = spare.reply()
+    assert (beat["id"], beat["status"], beat["body"]["command"]) == (1, 200, "continue"), beat
+    # The watch went on as the new leader's long-poll (nothing to say: it stays pending), not a 503.
+    health = standby.service.health
+    wait_until(lambda: hold.waiting == 0 and health.long_polls_open == 1, 10, "the watch to be polled")
+    assert spare.silent_for(0.2), "the held watch was answered, not polled"
+
+
+@pytest.mark.etcd
 def test_a_heartbeat_reply_that_reveals_a_restart_is_never_sent_before_the_store_holds_it(etcd_server):
     """etcd dies: a steady heartbeat is still answered (it reveals nothing durable), but a failure report
     whose reply would reveal the restart it causes is answered 503 not_leader (the master cannot store
