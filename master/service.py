@@ -295,13 +295,13 @@ class MasterService:
                 continue
             took = time.perf_counter() - began
             self.health.store_write(took)
-            if self._saved_version < 0:  # the term's first save: every reply since the election waited for it
-                waited = self.clock() - self._led_since
-                log.info("first save of this term: %.3fs (%.3fs after the election)", took, waited)
-                self.standby_hold.led()  # held calls go on only now: none of them waits for this save
             if self.event_log is not None:  # only events the store holds: a successor never repeats one
                 self.event_log.write(e for e in job.events if e.seq <= snapshot["event_count"])
             if job is self.job:
+                if self._saved_version < 0:  # the term's first save: every reply since the election waited
+                    waited = self.clock() - self._led_since
+                    log.info("first save of this term: %.3fs (%.3fs after the election)", took, waited)
+                    self.standby_hold.led()  # held calls go on only now: none of them waits for this save
                 self._saved_version = max(self._saved_version, version)
             self._saved_ticket().set()
             self._saved = None
