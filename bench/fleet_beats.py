@@ -5,9 +5,9 @@ Each node beats on a fixed schedule (a random phase, a small jitter per beat). A
 the node's previous one is unanswered is skipped, as the agent's single heartbeat thread would: it counts as
 offered, not sent. A beat goes straight onto the node's open connection; when there is none, or it is lost
 or answered 503 (a standby), the beat goes the slow way, :meth:`bench.fleet_wire.Link.call`, which tries
-the other master addresses in turn, each once, as the agent's client does. A beat that fails there is retried at the node's
-next beat (the random phases spread the retries over the interval, as the agent's random 50-100 % of it
-does)."""
+the other master addresses in turn, each once, as the agent's client does. A beat that fails there is
+retried at the node's next beat (the random phases spread the retries over the interval, as the agent's
+random 50-100 % of it does)."""
 
 from __future__ import annotations
 
