@@ -37,6 +37,7 @@ REPLICATION_STATUS = "replication.json"
 REPLICATION_WAIT_S = 300.0
 _saved: list[int] = []  # steps this process saved into shared memory, oldest first (a few)
 _previous: tuple[Path, int, str] | None = None  # (root, step, save id) of this process's last save
+_replays: dict[Path, Any] = {}  # folder -> this process's last recorded save there (elastic.shard_replay)
 
 
 def _shared_save_id() -> str:
@@ -117,7 +118,7 @@ def _wait_committed(root: Path, step: int, save_id: str, timeout: float = 60.0) 
 
 def flash_save(state: dict[str, Any], step: int, shm: Path, ckpt_dir: str | os.PathLike[str] | None) -> Path:
     """Save ``state`` into the node's shared-memory folder ``shm`` (every rank calls it)."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.stateful import Stateful
 
     from elastic import segments, shard_segments
 
@@ -139,11 +140,13 @@ def flash_save(state: dict[str, Any], step: int, shm: Path, ckpt_dir: str | os.P
     tmp.mkdir(exist_ok=True)
     pool = shard_segments.pool_for(root)
     pool.fresh_bytes, pool.prefault_s = 0, 0.0
-    writer = shard_segments.SegmentWriter(tmp, pool, step, save_id, protect)
     first = _previous is None or _previous[0] != root
+    state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}  # as DCP does
     try:
         with shard_segments.crc_off():
-            metadata = dcp.save(state, storage_writer=writer, planner=shard_segments.CachingPlanner())
+            metadata = _replayed(state, root, tmp, pool, step, save_id, protect)
+            if metadata is None:
+                metadata = _recorded(state, root, tmp, pool, step, save_id, protect)
         if first:
             pool.add_spares(step, save_id)  # the double buffer's other half, pre-faulted now
     except segments.NoSpaceError as exc:
@@ -174,6 +177,61 @@ def flash_save(state: dict[str, Any], step: int, shm: Path, ckpt_dir: str | os.P
     persist_to = str(Path(folder).resolve()) if folder else ""
     report_checkpoint(step, str(root / sl.step_link_name(step)), persist_to)
     return data
+
+
+def _replayed(
+    state: dict[str, Any], root: Path, tmp: Path, pool: Any, step: int, save_id: str, protect: set[str]
+) -> Any:
+    """Replay this process's last recorded save with ``state``'s bytes (elastic.shard_replay) when every
+    rank can: DCP's metadata, or None (every rank then makes a full save)."""
+    from elastic import shard_segments
+
+    replay = _replays.get(root)
+    try:
+        chunks = replay.prepare(state) if replay is not None else None
+    except Exception as exc:  # noqa: BLE001 - a state DCP's planner cannot take: the full save says why
+        log.debug("elastic.save_sharded: not replaying step %d: %r", step, exc)
+        chunks = None
+    world = collectives.world_size()
+    if collectives.any_rank(chunks is None, world):
+        return None
+    assert replay is not None and chunks is not None
+    failure: BaseException | None = None
+    try:
+        fs = shard_segments.SegmentFS(pool, step, save_id, protect)
+        for name, file_chunks in chunks.items():
+            with fs.create_stream(tmp / name, "wb") as stream:
+                for chunk in file_chunks:
+                    stream.write_chunk(chunk)
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it below, then it is raised here
+        failure = exc
+    # Also what DCP's gathering of write results did: no node commits before all of its ranks wrote.
+    if collectives.any_rank(failure is not None, world):
+        _replays.pop(root, None)
+        if failure is not None:
+            raise failure
+        raise CheckpointError(f"elastic.save_sharded: another rank failed to write step {step}")
+    return replay.metadata
+
+
+def _recorded(
+    state: dict[str, Any], root: Path, tmp: Path, pool: Any, step: int, save_id: str, protect: set[str]
+) -> Any:
+    """A full DCP save, recorded for the next saves to replay."""
+    import torch.distributed.checkpoint as dcp
+
+    from elastic import shard_replay, shard_segments
+
+    recorder = shard_replay.Recorder()
+    writer = shard_segments.SegmentWriter(tmp, pool, step, save_id, protect, recorder)
+    metadata = dcp.save(state, storage_writer=writer, planner=shard_segments.CachingPlanner(recorder))
+    coordinator = collectives.rank() == 0  # DCP's coordinator: it alone writes the small objects
+    replay = recorder.replay(metadata, shard_replay.local_plan(state, coordinator)[1], coordinator)
+    if replay is None:
+        _replays.pop(root, None)
+    else:
+        _replays[root] = replay
+    return metadata
 
 
 def _space_error(step: int, shm: Path, need: int, free: int) -> CheckpointError:

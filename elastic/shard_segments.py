@@ -39,9 +39,11 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.planner import WriteItem
 
 from elastic import shard_layout
 from elastic.segments import NoSpaceError
+from elastic.shard_replay import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -207,11 +209,11 @@ class SegmentPool:
 
 
 class _SegmentStream(io.RawIOBase):
-    """A write-only stream into a segment, growing it when needed."""
+    """A write-only stream into a segment, growing it when needed; every write told to ``recorder``."""
 
-    def __init__(self, pool: SegmentPool, segment: _Segment) -> None:
+    def __init__(self, pool: SegmentPool, segment: _Segment, recorder: Recorder | None = None) -> None:
         super().__init__()
-        self.pool, self.segment, self.pos = pool, segment, 0
+        self.pool, self.segment, self.pos, self.recorder = pool, segment, 0, recorder
 
     def writable(self) -> bool:
         return True
@@ -221,6 +223,8 @@ class _SegmentStream(io.RawIOBase):
 
     def write(self, data) -> int:  # type: ignore[override]
         view = memoryview(data).cast("B")
+        if self.recorder is not None:
+            self.recorder.wrote(self.segment.name, view)
         n = len(view)
         end = self.pos + n
         self.pool.ensure(self.segment, end)
@@ -237,6 +241,18 @@ class _SegmentStream(io.RawIOBase):
         self.pos = end
         return n
 
+    def write_chunk(self, chunk: bytes | torch.Tensor) -> None:
+        """Append a replayed chunk (elastic.shard_replay): bytes, or a uint8 tensor copied straight in."""
+        if isinstance(chunk, bytes):
+            self.write(chunk)
+            return
+        n = chunk.numel()
+        end = self.pos + n
+        self.pool.ensure(self.segment, end)
+        assert self.segment.mm is not None
+        torch.frombuffer(self.segment.mm, dtype=torch.uint8, count=n, offset=self.pos).copy_(chunk)
+        self.pos = end
+
     def fileno(self) -> int:
         return self.segment.fd
 
@@ -244,9 +260,12 @@ class _SegmentStream(io.RawIOBase):
 class SegmentFS(FileSystem):
     """DCP's file system with ``.distcp`` writes going into segments (everything else: plain files)."""
 
-    def __init__(self, pool: SegmentPool, step: int, save_id: str, protect: set[str]) -> None:
+    def __init__(
+        self, pool: SegmentPool, step: int, save_id: str, protect: set[str], recorder: Recorder | None = None
+    ) -> None:
         super().__init__()
         self.pool, self.step, self.save_id, self.protect = pool, step, save_id, protect
+        self.recorder = recorder
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
@@ -256,7 +275,7 @@ class SegmentFS(FileSystem):
                 yield stream
             return
         segment = self.pool.open(path, self.step, self.save_id, self.protect)
-        stream = _SegmentStream(self.pool, segment)
+        stream = _SegmentStream(self.pool, segment, self.recorder)
         try:
             yield stream
         except BaseException:
@@ -270,9 +289,17 @@ class SegmentFS(FileSystem):
 class SegmentWriter(FileSystemWriter):
     """``FileSystemWriter`` whose data files are segments of ``pool`` (see the module doc)."""
 
-    def __init__(self, path: Path, pool: SegmentPool, step: int, save_id: str, protect: set[str]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        pool: SegmentPool,
+        step: int,
+        save_id: str,
+        protect: set[str],
+        recorder: Recorder | None = None,
+    ) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
-        self.fs = SegmentFS(pool, step, save_id, protect)
+        self.fs = SegmentFS(pool, step, save_id, protect, recorder)
 
 
 class CachingPlanner(DefaultSavePlanner):
@@ -281,8 +308,15 @@ class CachingPlanner(DefaultSavePlanner):
     metadata, instead of planning and exchanging every shard's description at every save. The cache is
     DCP's, per planner class (so flash saves do not share it with the script's own ``dcp.save`` calls)."""
 
-    def __init__(self) -> None:
+    def __init__(self, recorder: Recorder | None = None) -> None:
         super().__init__(enable_plan_caching=True)
+        self.recorder = recorder
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        data = super().resolve_data(write_item)
+        if self.recorder is not None:
+            self.recorder.resolved(write_item, data)
+        return data
 
 
 @contextlib.contextmanager
