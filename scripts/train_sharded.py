@@ -93,9 +93,9 @@ def make_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     model = nn.Sequential(
         nn.Linear(IN_FEATURES, HIDDEN),
-        nn.ReLU(),
+        nn.Tanh(),
         nn.Linear(HIDDEN, HIDDEN),
-        nn.ReLU(),
+        nn.Tanh(),
         nn.Linear(HIDDEN, 1),
     )
     for layer in model:
