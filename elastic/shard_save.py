@@ -37,7 +37,9 @@ REPLICATION_STATUS = "replication.json"
 REPLICATION_WAIT_S = 300.0
 _saved: list[int] = []  # steps this process saved into shared memory, oldest first (a few)
 _previous: tuple[Path, int, str] | None = None  # (root, step, save id) of this process's last save
-_replays: dict[Path, Any] = {}  # folder -> this process's last recorded save there (elastic.shard_replay)
+#: (folder, rank, world size) -> this process's last recorded save there (elastic.shard_replay); a file's
+#: name holds the rank, so another rank or world never replays it.
+_replays: dict[tuple[Path, int, int], Any] = {}
 
 
 def _shared_save_id() -> str:
@@ -186,7 +188,8 @@ def _replayed(
     rank can: DCP's metadata, or None (every rank then makes a full save)."""
     from elastic import shard_segments
 
-    replay = _replays.get(root)
+    key = (root, collectives.rank(), collectives.world_size())
+    replay = _replays.get(key)
     try:
         chunks = replay.prepare(state) if replay is not None else None
     except Exception as exc:  # noqa: BLE001 - a state DCP's planner cannot take: the full save says why
@@ -207,7 +210,7 @@ def _replayed(
         failure = exc
     # Also what DCP's gathering of write results did: no node commits before all of its ranks wrote.
     if collectives.any_rank(failure is not None, world):
-        _replays.pop(root, None)
+        _replays.pop(key, None)
         if failure is not None:
             raise failure
         raise CheckpointError(f"elastic.save_sharded: another rank failed to write step {step}")
@@ -227,10 +230,11 @@ def _recorded(
     metadata = dcp.save(state, storage_writer=writer, planner=shard_segments.CachingPlanner(recorder))
     coordinator = collectives.rank() == 0  # DCP's coordinator: it alone writes the small objects
     replay = recorder.replay(metadata, shard_replay.local_plan(state, coordinator)[1], coordinator)
+    key = (root, collectives.rank(), collectives.world_size())
     if replay is None:
-        _replays.pop(root, None)
+        _replays.pop(key, None)
     else:
-        _replays[root] = replay
+        _replays[key] = replay
     return metadata
 
 
