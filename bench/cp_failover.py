@@ -37,23 +37,19 @@ TOKEN = "bench-control-plane-token"
 
 
 class _CpuMeter:
-    """CPU seconds (user + system) of processes since this meter was made, by PID; 0 once one is gone."""
+    """CPU seconds (user + system) of processes since this meter was made; a process gone counts 0."""
 
     def __init__(self, pids: list[int]) -> None:
-        self._procs = []
-        for pid in pids:
-            try:
-                self._procs.append(psutil.Process(pid))
-            except psutil.Error:
-                self._procs.append(None)
+        self._pids = pids
+        self._procs: dict[int, psutil.Process] = {}
         self._start = self._now()
 
     def _now(self) -> list[float]:
         out = []
-        for proc in self._procs:
+        for pid in self._pids:
             try:
-                t = proc.cpu_times() if proc is not None else None
-                out.append(t.user + t.system if t is not None else 0.0)
+                proc = self._procs.get(pid) or self._procs.setdefault(pid, psutil.Process(pid))
+                out.append(sum(proc.cpu_times()[:2]))
             except psutil.Error:
                 out.append(0.0)
         return out

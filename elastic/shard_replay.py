@@ -52,6 +52,13 @@ def _tensor_bytes(data: torch.Tensor) -> torch.Tensor | None:
     return data.reshape(-1).view(torch.uint8)
 
 
+def _replayable(data: Any) -> bool:
+    """Whether a resolved item's bytes can be put in place again: a contiguous CPU tensor, a pickle."""
+    if isinstance(data, torch.Tensor):
+        return data.device.type == "cpu" and data.is_contiguous()
+    return isinstance(data, io.BytesIO)
+
+
 def _chunk(data: Any) -> Chunk | None:
     """What goes into the file for a resolved item now."""
     if isinstance(data, torch.Tensor):
@@ -84,7 +91,7 @@ class Recorder:
 
     def resolved(self, item: WriteItem, data: Any) -> None:
         """DCP's planner resolved ``item`` to ``data``, which it writes next."""
-        if _chunk(data) is None:
+        if not _replayable(data):
             self._broken = True  # a device tensor, a non-contiguous one: never replayed
         self._items.append((item, data, False))
 
@@ -102,10 +109,10 @@ class Recorder:
 
     @staticmethod
     def _is_data(data: Any, view: memoryview) -> bool:
-        chunk = _chunk(data)
-        if isinstance(chunk, bytes):
+        if isinstance(data, io.BytesIO):  # DCP writes the pickle's own buffer
             with data.getbuffer() as own:
                 return _address(own) == _address(view) and len(own) == len(view)
+        chunk = _tensor_bytes(data) if isinstance(data, torch.Tensor) else None
         if chunk is None or chunk.numel() != len(view):
             return False
         if chunk.data_ptr() == _address(view):

@@ -181,6 +181,10 @@ def flash_save(state: dict[str, Any], step: int, shm: Path, ckpt_dir: str | os.P
     return data
 
 
+def _replay_key(root: Path) -> tuple[Path, int, int]:
+    return root, collectives.rank(), collectives.world_size()
+
+
 def _replayed(
     state: dict[str, Any], root: Path, tmp: Path, pool: Any, step: int, save_id: str, protect: set[str]
 ) -> Any:
@@ -188,7 +192,7 @@ def _replayed(
     rank can: DCP's metadata, or None (every rank then makes a full save)."""
     from elastic import shard_segments
 
-    key = (root, collectives.rank(), collectives.world_size())
+    key = _replay_key(root)
     replay = _replays.get(key)
     try:
         chunks = replay.prepare(state) if replay is not None else None
@@ -230,7 +234,7 @@ def _recorded(
     metadata = dcp.save(state, storage_writer=writer, planner=shard_segments.CachingPlanner(recorder))
     coordinator = collectives.rank() == 0  # DCP's coordinator: it alone writes the small objects
     replay = recorder.replay(metadata, shard_replay.local_plan(state, coordinator)[1], coordinator)
-    key = (root, collectives.rank(), collectives.world_size())
+    key = _replay_key(root)
     if replay is None:
         _replays.pop(key, None)
     else:

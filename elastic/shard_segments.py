@@ -226,32 +226,31 @@ class _SegmentStream(io.RawIOBase):
         if self.recorder is not None:
             self.recorder.wrote(self.segment.name, view)
         n = len(view)
-        end = self.pos + n
-        self.pool.ensure(self.segment, end)
-        mm = self.segment.mm
-        assert mm is not None
+        self.pool.ensure(self.segment, self.pos + n)
         if n >= _TORCH_COPY_MIN:
-            dst = torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=self.pos)
             with warnings.catch_warnings():  # the source is read-only (a tensor's bytes): only read here
                 warnings.simplefilter("ignore", UserWarning)
-                src = torch.frombuffer(view, dtype=torch.uint8)
-            dst.copy_(src)
+                self._copy_in(torch.frombuffer(view, dtype=torch.uint8))
         else:
-            mm[self.pos : end] = view
-        self.pos = end
+            assert self.segment.mm is not None
+            self.segment.mm[self.pos : self.pos + n] = view
+            self.pos += n
         return n
 
     def write_chunk(self, chunk: bytes | torch.Tensor) -> None:
         """Append a replayed chunk (elastic.shard_replay): bytes, or a uint8 tensor copied straight in."""
         if isinstance(chunk, bytes):
             self.write(chunk)
-            return
-        n = chunk.numel()
-        end = self.pos + n
-        self.pool.ensure(self.segment, end)
+        else:
+            self.pool.ensure(self.segment, self.pos + chunk.numel())
+            self._copy_in(chunk)
+
+    def _copy_in(self, src: torch.Tensor) -> None:
+        """Copy the uint8 tensor ``src`` to the stream's position (the segment holds room for it)."""
+        n = src.numel()
         assert self.segment.mm is not None
-        torch.frombuffer(self.segment.mm, dtype=torch.uint8, count=n, offset=self.pos).copy_(chunk)
-        self.pos = end
+        torch.frombuffer(self.segment.mm, dtype=torch.uint8, count=n, offset=self.pos).copy_(src)
+        self.pos += n
 
     def fileno(self) -> int:
         return self.segment.fd

@@ -143,10 +143,8 @@ def test_another_job_is_refused_409_and_only_v1_stream_upgrades(masters: Masters
 ONE_NODE = dict(min_nodes=1, max_nodes=1)
 
 
-@pytest.mark.etcd
-def test_a_standby_accepts_the_stream_and_answers_each_call_503_not_leader(
-    masters: Masters, etcd_endpoint: str
-):
+def leader_and_standby(masters: Masters, etcd_endpoint: str) -> tuple[str, EmbeddedMaster, EmbeddedMaster]:
+    """A new job's two masters on the real etcd: ``(job, leader, standby)``, the first one leading."""
     from master.etcd_store import EtcdStore  # imported only where etcd runs
 
     job = unique_job(JOB_ID)
@@ -158,6 +156,14 @@ def test_a_standby_accepts_the_stream_and_answers_each_call_503_not_leader(
     standby = masters.start(
         store=EtcdStore(etcd_endpoint, job, lease_ttl_s=2), job_id=job, store_url=store_url, **ONE_NODE
     )
+    return job, leader, standby
+
+
+@pytest.mark.etcd
+def test_a_standby_accepts_the_stream_and_answers_each_call_503_not_leader(
+    masters: Masters, etcd_endpoint: str
+):
+    job, leader, standby = leader_and_standby(masters, etcd_endpoint)
     # Agents keep an idle stream to every standby; each call on it is refused until that master leads.
     spare = opened(masters.stream(standby, job_id=job))
     for call_id, op in enumerate(("info", "heartbeat"), start=1):
@@ -180,17 +186,7 @@ def test_a_standby_holds_a_nodes_heartbeat_and_watch_and_answers_them_once_it_le
     masters: Masters, etcd_endpoint: str
 ):
     """During a failover a node's calls wait at the standby for its election instead of a 503 each."""
-    from master.etcd_store import EtcdStore  # imported only where etcd runs
-
-    job = unique_job(JOB_ID)
-    store_url = f"etcd://{etcd_endpoint}"
-    leader = masters.start(
-        store=EtcdStore(etcd_endpoint, job, lease_ttl_s=2), job_id=job, store_url=store_url, **ONE_NODE
-    )
-    wait_until(lambda: leader.service.job is not None, 20, "the first master to lead")
-    standby = masters.start(
-        store=EtcdStore(etcd_endpoint, job, lease_ttl_s=2), job_id=job, store_url=store_url, **ONE_NODE
-    )
+    job, leader, standby = leader_and_standby(masters, etcd_endpoint)
     hold = standby.service.standby_hold
     hold.seconds = 30.0  # longer than any takeover, on any machine: a 503 now means the hold failed
     secret = masters.stream(leader, job_id=job).call(id=1, op="join", body=join_body("a", **ONE_NODE))
