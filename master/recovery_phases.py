@@ -50,6 +50,7 @@ class RoundStart:
 
     number: int
     members: frozenset[str]
+    closed_at: float = 0.0
     started: dict[str, float] = field(default_factory=dict)
     stepped: dict[str, float] = field(default_factory=dict)
     all_started_at: float | None = None
@@ -90,7 +91,7 @@ class RecoveryTracker:
             r.began_at = broke_at
 
     def round_closed(self, number: int, members: list[str], at: float) -> None:
-        self.round = RoundStart(number, frozenset(members))
+        self.round = RoundStart(number, frozenset(members), closed_at=at)
         self.world_since = at
         if self.recovery is not None:
             self.recovery.move("restart", at)
@@ -106,6 +107,9 @@ class RecoveryTracker:
         rnd = self.round
         if rnd is None or rnd.number != number or node_id not in rnd.members:
             return None
+        # An estimate (arrival minus the reported age) can fall a little before the close that the start
+        # followed; the phases never run backwards.
+        at = max(at, rnd.closed_at)
         if node_id in rnd.started:
             if rnd.all_stepped_at is None and at < rnd.started[node_id]:
                 rnd.started[node_id] = at
@@ -176,4 +180,6 @@ class RecoveryTracker:
                 dict(data["seconds"]),
             )
         if round_number is not None:
-            self.round = RoundStart(round_number, frozenset(members))
+            restarting = bool(data) and data["phase"] == "restart"
+            closed_at = float(data["since"]) if restarting else 0.0
+            self.round = RoundStart(round_number, frozenset(members), closed_at=closed_at)

@@ -126,6 +126,19 @@ def test_a_verdict_during_a_recovery_continues_it() -> None:
     )
 
 
+def test_a_start_estimated_before_the_rounds_close_counts_from_the_close() -> None:
+    tracker = RecoveryTracker()
+    tracker.verdict("worker_failure", began_at=0.0, at=0.5)
+    tracker.round_closed(2, ["a"], 1.0)
+    assert tracker.node_started("a", 2, 0.9994) == 1.0  # the heartbeat's age was a little long
+    tracker.node_started("a", 2, 0.998)  # a later, earlier estimate: still not before the close
+    at, recovery = tracker.node_stepped("a", 2, 2.0)
+    assert tracker.round.all_started_at == 1.0
+    assert recovery.seconds == pytest.approx(
+        {"detect": 0.5, "rendezvous": 0.5, "restart": 0.0, "first_step": 1.0}
+    )
+
+
 def test_a_later_heartbeats_earlier_estimate_of_the_start_moves_the_split_until_the_first_step() -> None:
     tracker = RecoveryTracker()
     tracker.verdict("worker_failure", began_at=0.0, at=0.5)
