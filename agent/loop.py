@@ -37,18 +37,20 @@ from agent.ckpt_keeper import CheckpointKeeper
 from agent.errors import AgentError
 from agent.events import event_log_for
 from agent.heartbeats import HeartbeatThread, heartbeat_request
+from agent.inprocess_hub import InProcessHub
+from agent.inprocess_steps import broken_cause, pause_workers, start_or_resume
 from agent.loop_state import NodeView
 from agent.machine import CHECK_TIMEOUT_S, AgentMachine, MachineConfig
 from agent.master_link import LONG_POLL_S, CallFailed, MasterLink
 from agent.net import free_port
-from agent.proc_start import last_created_at
 from agent.progress import ProgressReporter, sample_agent
-from agent.round_spec import how_it_failed, training_spec, worker_failure
+from agent.round_spec import how_it_failed, round_line, training_spec, worker_failure
 from agent.settings import AgentSettings
 from agent.signals import SignalRouter
 from agent.tls_trouble import TLSTrouble
 from agent.workers import FailureInfo, WorkerExit, WorkerGroup, WorkerGroupError
 from elastic.client import MasterClient, MasterError
+from elastic.contract import INPROCESS_SOCKET
 from elastic.protocol import (
     Assignment,
     HeartbeatRequest,
@@ -89,6 +91,9 @@ class ElasticAgent:
         self.worker_env = dict(worker_env or {})  # added to every worker's environment (ELASTIC_SHM_DIR)
         # One queue for every thread's events; its put() is safe in signal handlers.
         self.events: queue.SimpleQueue[ev.AgentEvent] = queue.SimpleQueue()
+        # Workers run by elastic.inprocess.run connect here: they keep their processes across rounds.
+        self.inprocess = InProcessHub(channel.folder, self._on_broken)
+        self.worker_env[INPROCESS_SOCKET] = self.inprocess.path
         self.machine = AgentMachine(
             MachineConfig(
                 nproc=settings.nproc,
@@ -132,6 +137,7 @@ class ElasticAgent:
                 self.machine.generation += 1  # every thread's events are stale from now on
                 self._cancel_check_timer()
                 self.group.stop(self.settings.stop_grace_s)
+                self.inprocess.close()
 
     def _generation(self) -> int:
         return self.machine.generation
@@ -205,34 +211,18 @@ class ElasticAgent:
 
     def _start_workers(self, action: ev.StartWorkers) -> None:
         assignment, s = action.assignment, self.settings
-        log.info(
-            "round %d: node rank %d of %d, ranks %d-%d of world %d, restart %d/%d, term %d",
-            assignment.round,
-            assignment.node_rank,
-            assignment.nnodes,
-            assignment.rank_offset,
-            assignment.rank_offset + s.nproc - 1,
-            assignment.world_size,
-            assignment.restart_count,
-            assignment.max_restarts,
-            assignment.term,  # a round is (term, number): tests/e2e/test_etcd_trouble_e2e.py reads both
-        )
+        log.info("%s", round_line(assignment, s.nproc))
         self.assignment = assignment
         root = health.stack_root(s, self.group)
         spec = training_spec(s, assignment, self.channel.path, self.worker_env, action.reset_ckpt, root)
         self.channel.reset(s.nproc)
-        self.group.start(spec, on_exit=self._exit_relay(action.generation))
-        restart = assignment.restart_count
-        ranks = spec.global_ranks
-        self.event_log.record(
-            "workers_started", round=assignment.round, ranks=ranks, pids=self.group.pids, restart=restart
+        pids, kept, started_at = start_or_resume(
+            self.group, self.inprocess, spec, assignment.round, self._exit_relay(action.generation)
         )
-        pids = list(self.group.pids)
-        returned = time.monotonic()
-        # The kernel's creation time of the last worker, not the start call's return (bookkeeping after
-        # the fork): where the master's recovery phase ``restart`` ends.
-        created = last_created_at(pids)
-        started_at = min(created, returned) if created is not None else returned
+        restart, ranks = assignment.restart_count, spec.global_ranks
+        self.event_log.record(
+            "workers_started", round=assignment.round, ranks=ranks, pids=pids, restart=restart, kept=kept
+        )
         self.view = NodeView(
             state=NodeState.RUNNING, round=assignment.round, pids=pids, started_at=started_at
         )
@@ -270,6 +260,12 @@ class ElasticAgent:
         self._cancel_check_timer()
         self.view = NodeView(state=NodeState.WAITING)
         running = self.group.running()
+        round_number = self.assignment.round if self.assignment is not None else 0
+        if action.rejoin and pause_workers(
+            self.group, self.inprocess, running, round_number, self.settings, self.event_log
+        ):
+            return
+        self.inprocess.forget(self.group.pids)
         self.group.stop(self.settings.stop_grace_s)
         if self.keeper is not None:
             # A worker killed mid-save left a checkpoint-sized temp file; no worker writes now.
@@ -288,6 +284,15 @@ class ElasticAgent:
         return self._report_failure(
             action.round, self.group.failure_info(action.exit), "crash", action.seen_at
         )
+
+    def _report_broken(self, action: ev.ReportBroken) -> ev.AgentEvent:
+        info, seen_at = broken_cause(
+            self.group, self.assignment, action.local_rank, action.message, action.seen_at
+        )
+        return self._report_failure(action.round, info, "crash", seen_at)
+
+    def _on_broken(self, local_rank: int, pid: int, message: str) -> None:  # hub thread; the machine decides
+        self.events.put(ev.CollectiveBroken(local_rank, message, time.monotonic(), self.machine.generation))
 
     def _report_hang(self, action: ev.ReportHang) -> ev.AgentEvent:
         root = health.stack_root(self.settings, self.group)

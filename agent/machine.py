@@ -29,6 +29,7 @@ from agent.machine_events import (
     CheckDone,
     CheckTimeout,
     CollectCheckResult,
+    CollectiveBroken,
     CommandReceived,
     EventKind,
     Excluded,
@@ -47,6 +48,7 @@ from agent.machine_events import (
     Note,
     RecordRestart,
     Rejected,
+    ReportBroken,
     ReportCheck,
     ReportCrash,
     ReportHang,
@@ -155,8 +157,8 @@ class AgentMachine:
     def _finish(self, outcome: Outcome | None) -> list[Action]:
         return [Finish(outcome), *self._exit(0 if outcome is None else outcome.exit_code)]
 
-    def _stop(self) -> Action:
-        return StopWorkers(self._next_generation())
+    def _stop(self, rejoin: bool = False) -> Action:
+        return StopWorkers(self._next_generation(), rejoin)
 
     def _join(self) -> list[Action]:
         self.state = AgentState.JOINING
@@ -233,6 +235,10 @@ class AgentMachine:
             return []  # the others still run
         return self._report(AgentState.REPORTING_SUCCESS, ReportSuccess(round_))
 
+    def _on_broken(self, event: CollectiveBroken, now: float) -> list[Action]:
+        action = ReportBroken(self._round(), event.local_rank, event.message, event.seen_at)
+        return self._report(AgentState.REPORTING_FAILURE, action)
+
     def _on_hang(self, event: HangSeen, now: float) -> list[Action]:
         # Detection starts at the hung worker's last progress (the stall's beginning).
         seen_at = now - event.hangs[0].stalled_s
@@ -241,18 +247,16 @@ class AgentMachine:
 
     def _on_training_command(self, event: CommandReceived, now: float) -> list[Action]:
         reply = event.reply
-        stop = self._stop()
         if reply.command is Command.STOP:
-            return [stop, *self._finish(reply.outcome)]
-        return [stop, RecordRestart(reply.round), *self._join()]
+            return [self._stop(), *self._finish(reply.outcome)]
+        return [self._stop(rejoin=True), RecordRestart(reply.round), *self._join()]
 
     # -- outcomes ------------------------------------------------------------------------------------
     def _on_failure_reply(self, event: MasterReplied, now: float) -> list[Action]:
         # Reported before stopping the others, so that the other nodes start stopping in parallel.
-        stop = self._stop()
         if event.reply.command is Command.STOP:
-            return [stop, *self._finish(event.reply.outcome)]
-        return [stop, *self._join()]
+            return [self._stop(), *self._finish(event.reply.outcome)]
+        return [self._stop(rejoin=True), *self._join()]
 
     def _on_success_reply(self, event: MasterReplied, now: float) -> list[Action]:
         reply = event.reply
@@ -268,7 +272,7 @@ class AgentMachine:
 
     def _on_forgotten(self, event: NodeUnknown, now: float) -> list[Action]:
         # Never keep training in a world the master no longer tracks (split brain).
-        return [Note(FORGOTTEN, logging.WARNING), self._stop(), *self._join()]
+        return [Note(FORGOTTEN, logging.WARNING), self._stop(rejoin=True), *self._join()]
 
     # -- node check ----------------------------------------------------------------------------------
     def _on_check_exit(self, event: WorkerExited, now: float) -> list[Action]:
@@ -345,6 +349,7 @@ _TABLE: dict[AgentState, dict[EventKind, _Handler]] = {
     },
     S.TRAINING: {
         K.WORKER_EXITED: M._on_exit,
+        K.COLLECTIVE_BROKEN: M._on_broken,
         K.HANG_SEEN: M._on_hang,
         K.COMMAND_RECEIVED: M._on_training_command,
         K.UNKNOWN_NODE: M._on_forgotten,

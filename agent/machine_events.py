@@ -35,6 +35,7 @@ class EventKind(enum.Enum):
     SIGNAL = "signal"  # a shutdown signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT)
     CHECK_TIMEOUT = "check_timeout"  # the node-check process ran past its time
     CHECK_DONE = "check_done"  # the node-check process's figures were read (or could not be)
+    COLLECTIVE_BROKEN = "collective_broken"  # an in-process worker's collective failed (a peer vanished)
 
 
 class HangLike(Protocol):
@@ -93,6 +94,17 @@ class WorkerExited(Event):
     succeeded: bool
     seen_at: float  # when the exit was seen (time.monotonic): a failure's detection starts there
     exit: object = None  # the executor's exit record (agent.workers.WorkerExit), handed back in actions
+    generation: int | None = None
+
+
+@dataclass(frozen=True)
+class CollectiveBroken(Event):
+    """A worker that recovers in process says its collective failed; it waits, alive, for a new round."""
+
+    kind: ClassVar[EventKind] = EventKind.COLLECTIVE_BROKEN
+    local_rank: int
+    message: str
+    seen_at: float
     generation: int | None = None
 
 
@@ -167,6 +179,7 @@ AgentEvent = (
     | RoundAssigned
     | JobFinished
     | WorkerExited
+    | CollectiveBroken
     | HangSeen
     | CommandReceived
     | MasterReplied
@@ -242,9 +255,11 @@ class StartCheck:
 
 @dataclass(frozen=True)
 class StopWorkers:
-    """Stop every worker (TERM, then KILL after --stop-grace); exits from now on belong to ``generation``."""
+    """Stop every worker (TERM, then KILL after --stop-grace); exits from now on belong to ``generation``.
+    ``rejoin``: the node joins the next round; workers that recover in process may pause instead."""
 
     generation: int
+    rejoin: bool = False
 
 
 @dataclass(frozen=True)
@@ -265,6 +280,16 @@ class ReportCrash:
 
     round: int
     exit: object
+    seen_at: float
+
+
+@dataclass(frozen=True)
+class ReportBroken:
+    """Report an in-process worker's failed collective as its failure (the worker lives on)."""
+
+    round: int
+    local_rank: int
+    message: str
     seen_at: float
 
 
@@ -348,6 +373,7 @@ Action = (
     | StopCheck
     | CollectCheckResult
     | ReportCrash
+    | ReportBroken
     | ReportHang
     | ReportSuccess
     | ReportCheck

@@ -52,6 +52,16 @@ def training_spec(
     )
 
 
+def round_line(assignment: Assignment, nproc: int) -> str:
+    """The log line of a round this node trains in."""
+    a = assignment
+    return (
+        f"round {a.round}: node rank {a.node_rank} of {a.nnodes}, ranks {a.rank_offset}-"
+        f"{a.rank_offset + nproc - 1} of world {a.world_size}, restart {a.restart_count}/{a.max_restarts}, "
+        f"term {a.term}"  # a round is (term, number): tests/e2e/test_etcd_trouble_e2e.py reads both
+    )
+
+
 def worker_failure(info: FailureInfo, kind: str) -> WorkerFailure:
     """The failure a heartbeat reports for ``info`` (``kind``: crash or hang)."""
     # The group's generic fallback ("killed by SIGKILL") only repeats the signal; keep real messages.
@@ -70,4 +80,6 @@ def how_it_failed(info: FailureInfo, kind: str) -> str:
     """``a hang``, ``signal SIGKILL`` or ``exit code 1``: for the agent's log line."""
     if kind == "hang":
         return "a hang"
+    if info.signal is None and info.exit_code is None:
+        return "a failed collective (the process lives on)"
     return f"signal {info.signal}" if info.signal else f"exit code {info.exit_code}"

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import psutil
 
+from agent.errors_file import message_from_stderr, read_error_file
 from agent.launchers import WorkerProcess
+from agent.worker_types import CRASH_SIGNALS, FailureInfo, WorkerExit
 
 logger = logging.getLogger(__name__)
 
@@ -118,3 +120,23 @@ def _signal_procs(procs: list[psutil.Process], sig: signal.Signals) -> None:
         # psutil checks the process identity (pid + create time), so a recycled pid is never signalled.
         with contextlib.suppress(psutil.NoSuchProcess):
             p.send_signal(sig)
+
+
+def failure_of(worker: RunningWorker, exit: WorkerExit, drain_timeout_s: float) -> FailureInfo:
+    """Root cause of ``worker``'s exit ``exit`` (see ``WorkerGroup.failure_info``)."""
+    # The exit can overtake the last lines of output; give the stderr reader a moment to drain.
+    if len(worker.readers) > 1:
+        worker.readers[1].join(timeout=drain_timeout_s)
+    sig = exit.signal_name
+    message = read_error_file(worker.error_file)
+    if message is None and (sig is None or sig in CRASH_SIGNALS):
+        message = message_from_stderr(list(worker.stderr_tail))
+    if message is None:
+        message = f"killed by {sig}" if sig else f"exited with code {exit.returncode}"
+    return FailureInfo(
+        local_rank=exit.local_rank,
+        global_rank=worker.global_rank,
+        exit_code=None if sig else exit.returncode,
+        signal=sig,
+        message=message,
+    )

@@ -33,12 +33,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.errors_file import message_from_stderr, read_error_file
 from agent.filtered_log import FilteredLog, open_filtered_logs
 from agent.launchers import ExecLauncher, Launcher, WorkerProcess
 from agent.reaper import Reaper
 from agent.worker_spawn import spawn_worker
-from agent.worker_tree import RunningWorker, end_workers
+from agent.worker_tree import RunningWorker, end_workers, failure_of
 from agent.worker_types import (
     CRASH_SIGNALS,
     FailureInfo,
@@ -193,43 +192,43 @@ class WorkerGroup:
             self._stopped = False
             self._on_exit = on_exit
             self._launched_by = None
-        launcher = self._launcher
-        if launcher is not self._exec:
-            reason = launcher.unavailable_reason(spec)
-            if reason is not None:
-                logger.info("%s start not used: %s; starting workers with exec", launcher.name, reason)
-                launcher = self._exec
+        launcher = self._usable_launcher(spec)
         used: list[str] = []
-        for local_rank, (env, global_rank) in enumerate(zip(spec.envs, spec.global_ranks, strict=True)):
-            try:
-                try:
-                    worker = self._spawn(spec, local_rank, global_rank, env, launcher)
-                except LauncherUnavailable as e:
-                    logger.warning(
-                        "%s start of local rank %d failed (%s); starting workers with exec",
-                        launcher.name,
-                        local_rank,
-                        e,
-                    )
-                    launcher = self._exec
-                    worker = self._spawn(spec, local_rank, global_rank, env, launcher)
-            except (OSError, ValueError, subprocess.SubprocessError) as e:
-                self._stop(grace_s=0.0)
-                raise WorkerGroupError(
-                    f"cannot start worker local rank {local_rank} ({spec.argv[0]}): {e}"
-                ) from e
+        for local_rank in range(spec.nprocs):
+            launcher = self._spawn_watched(spec, local_rank, launcher)
             if launcher.name not in used:
                 used.append(launcher.name)
             with self._lock:
-                self._workers.append(worker)
-                self._pending += 1
                 self._launched_by = "+".join(used)
-            worker.watcher = threading.Thread(
-                target=self._watch, args=(worker, events), name=f"worker-rank{global_rank}-wait", daemon=True
-            )
-            worker.watcher.start()
         how = "+".join(used)
         logger.info("started %d workers (attempt %s, %s): pids %s", spec.nprocs, spec.attempt, how, self.pids)
+
+    def keep_and_start(
+        self, spec: WorkerSpec, on_exit: Callable[[WorkerExit], None] | None = None
+    ) -> tuple[list[int], list[int]]:
+        """In-process recovery: keep the live workers (the caller sends their new environment), spawn the
+        local ranks whose process is gone; returns (kept, spawned). Exits go to this call's ``on_exit``."""
+        with self._lifecycle:
+            if self._closed:
+                raise WorkerGroupError("the worker group is closed")
+            with self._lock:
+                old = {w.local_rank: w for w in self._workers}
+                kept = [r for r in range(spec.nprocs) if r in old and old[r].returncode is None]
+                events: queue.Queue[WorkerExit | None] = queue.Queue()
+                self._workers = [old[r] for r in kept]
+                for w in self._workers:
+                    w.global_rank = spec.global_ranks[w.local_rank]
+                self._events = events
+                self._pending = len(kept)
+                self._stopping = False
+                self._stopped = False
+                self._on_exit = on_exit
+            spawned = [r for r in range(spec.nprocs) if r not in kept]
+            launcher = self._usable_launcher(spec) if spawned else self._exec
+            for local_rank in spawned:
+                launcher = self._spawn_watched(spec, local_rank, launcher)
+            logger.info("kept local ranks %s in process, started %s: pids %s", kept, spawned, self.pids)
+            return kept, spawned
 
     def wait_exit(self, timeout: float | None) -> WorkerExit | None:
         """Block until the next worker exits and return it; None on timeout.
@@ -270,23 +269,7 @@ class WorkerGroup:
         A worker killed by a signal from outside (SIGKILL, SIGTERM...: not one of :data:`CRASH_SIGNALS`)
         gets the generic ``killed by SIGKILL``: whatever it printed before says nothing about the kill.
         """
-        worker = self._find(exit)
-        # The exit can overtake the last lines of output; give the stderr reader a moment to drain.
-        if len(worker.readers) > 1:
-            worker.readers[1].join(timeout=_FAILURE_DRAIN_TIMEOUT_S)
-        sig = exit.signal_name
-        message = read_error_file(worker.error_file)
-        if message is None and (sig is None or sig in CRASH_SIGNALS):
-            message = message_from_stderr(list(worker.stderr_tail))
-        if message is None:
-            message = f"killed by {sig}" if sig else f"exited with code {exit.returncode}"
-        return FailureInfo(
-            local_rank=exit.local_rank,
-            global_rank=exit.global_rank,
-            exit_code=None if sig else exit.returncode,
-            signal=sig,
-            message=message,
-        )
+        return failure_of(self._find(exit), exit, _FAILURE_DRAIN_TIMEOUT_S)
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop every worker and its descendants; idempotent, and a no-op when nothing runs.
@@ -344,6 +327,45 @@ class WorkerGroup:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _usable_launcher(self, spec: WorkerSpec) -> Launcher:
+        launcher = self._launcher
+        if launcher is not self._exec and (reason := launcher.unavailable_reason(spec)) is not None:
+            logger.info("%s start not used: %s; starting workers with exec", launcher.name, reason)
+            return self._exec
+        return launcher
+
+    def _spawn_watched(self, spec: WorkerSpec, local_rank: int, launcher: Launcher) -> Launcher:
+        """Spawn local rank ``local_rank`` of ``spec`` (with exec when ``launcher`` cannot), add it to the
+        current workers with its watcher thread; returns the launcher that started it. A failed spawn
+        stops the workers already started and raises WorkerGroupError."""
+        env, global_rank = spec.envs[local_rank], spec.global_ranks[local_rank]
+        try:
+            try:
+                worker = self._spawn(spec, local_rank, global_rank, env, launcher)
+            except LauncherUnavailable as e:
+                logger.warning(
+                    "%s start of local rank %d failed (%s); starting workers with exec",
+                    launcher.name,
+                    local_rank,
+                    e,
+                )
+                launcher = self._exec
+                worker = self._spawn(spec, local_rank, global_rank, env, launcher)
+        except (OSError, ValueError, subprocess.SubprocessError) as e:
+            self._stop(grace_s=0.0)
+            raise WorkerGroupError(
+                f"cannot start worker local rank {local_rank} ({spec.argv[0]}): {e}"
+            ) from e
+        with self._lock:
+            self._workers.append(worker)
+            self._workers.sort(key=lambda w: w.local_rank)
+            self._pending += 1
+        worker.watcher = threading.Thread(
+            target=self._watch, args=(worker,), name=f"worker-rank{global_rank}-wait", daemon=True
+        )
+        worker.watcher.start()
+        return launcher
+
     def _spawn(
         self, spec: WorkerSpec, local_rank: int, global_rank: int, env: dict[str, str], launcher: Launcher
     ) -> RunningWorker:
@@ -351,15 +373,17 @@ class WorkerGroup:
             spec, local_rank, global_rank, env, launcher, self._error_dir, self._reaper, self._filtered
         )
 
-    def _watch(self, worker: RunningWorker, events: "queue.Queue[WorkerExit | None]") -> None:
-        """Watcher thread: block in wait() and report the exit, unless stop() caused it."""
+    def _watch(self, worker: RunningWorker) -> None:
+        """Watcher thread: block in wait() and report the exit, unless stop() caused it or the worker no
+        longer belongs to the current start (the queue and callback are read at the exit: a worker kept
+        by :meth:`keep_and_start` reports to the newest)."""
         returncode = worker.proc.wait()
-        event = WorkerExit(worker.local_rank, worker.global_rank, worker.proc.pid, returncode)
         with self._lock:
             worker.returncode = returncode
-            if self._stopping or events is not self._events:
+            if self._stopping or not any(w is worker for w in self._workers):
                 return
-            events.put(event)
+            event = WorkerExit(worker.local_rank, worker.global_rank, worker.proc.pid, returncode)
+            self._events.put(event)
             callback = self._on_exit
         if callback is not None:
             callback(event)

@@ -32,23 +32,30 @@ _LAZY_ATTRS: dict[str, str] = {
     "load_sharded": "sharded",
     "ElasticSampler": "sampler",
     "track_ddp": "ddp_timing",
+    "run": "inprocess",
+    "World": "inprocess",
+    "WorldChanged": "inprocess",
 }
-_LAZY_SUBMODULES = frozenset({"distributed", "checkpoint", "sharded", "sampler"})
+_LAZY_SUBMODULES = frozenset({"distributed", "checkpoint", "sharded", "sampler", "inprocess"})
 
 __all__ = [
     "CheckpointError",
     "ElasticSampler",
+    "World",
+    "WorldChanged",
     "__version__",
     "backend_for_device",
     "checkpoint",
     "destroy_process_group",
     "distributed",
+    "inprocess",
     "init_process_group",
     "load",
     "load_latest",
     "load_sharded",
     "report",
     "report_checkpoint",
+    "run",
     "sampler",
     "save",
     "save_sharded",
@@ -57,10 +64,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time these resolve lazily
-    from elastic import checkpoint, distributed, sampler, sharded
+    from elastic import checkpoint, distributed, inprocess, sampler, sharded
     from elastic.checkpoint import CheckpointError, load, load_latest, save
     from elastic.ddp_timing import track_ddp
     from elastic.distributed import backend_for_device, destroy_process_group, init_process_group
+    from elastic.inprocess import World, WorldChanged, run
     from elastic.sampler import ElasticSampler
     from elastic.sharded import load_sharded, save_sharded
 

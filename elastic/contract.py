@@ -83,6 +83,8 @@ STACK_FILE = "ELASTIC_STACK_FILE"
 #: Where a node-check worker writes its result, and its time limit (set by the agent's node check).
 NODE_CHECK_RESULT = "ELASTIC_NODE_CHECK_RESULT"
 NODE_CHECK_TIMEOUT_S = "ELASTIC_NODE_CHECK_TIMEOUT_S"
+#: The agent's Unix stream socket for in-process recovery (:mod:`elastic.inprocess_wire`).
+INPROCESS_SOCKET = "ELASTIC_INPROCESS_SOCKET"
 
 #: Every ``ELASTIC_*`` variable the agent sets for a worker (documented in docs/protocol.md).
 ELASTIC_VARIABLES: tuple[str, ...] = (
@@ -97,6 +99,7 @@ ELASTIC_VARIABLES: tuple[str, ...] = (
     STACK_FILE,
     NODE_CHECK_RESULT,
     NODE_CHECK_TIMEOUT_S,
+    INPROCESS_SOCKET,
 )
 
 #: Every variable of the worker environment, as docs/protocol.md ("Worker environment") lists them.

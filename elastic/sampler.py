@@ -186,6 +186,17 @@ class ElasticSampler(Sampler[int]):
         """
         return _BatchSampler(self)
 
+    def reshard(self, num_replicas: int, rank: int) -> None:
+        """Deal the following steps to a world of ``num_replicas`` ranks, this one being ``rank`` (an
+        in-process recovery re-formed the group). The position is kept: no sample skipped or repeated."""
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not in a world of {num_replicas}")
+        if self.global_batch_size is not None and self.global_batch_size < num_replicas:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is smaller than the world size {num_replicas}"
+            )
+        self.num_replicas, self.rank = num_replicas, rank
+
     # -- position ---------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning, or keep the position if it is the current (restored) epoch."""

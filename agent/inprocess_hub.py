@@ -1,0 +1,181 @@
+"""The agent's end of in-process recovery (:mod:`elastic.inprocess_wire`): which live workers can keep
+their processes across rounds, and the pause/resume exchange with them.
+
+A Unix stream socket in the agent's private folder. Each worker run by :func:`elastic.inprocess.run`
+connects and says ``hello``; the agent then keeps it alive at the next round instead of stopping it, when
+*every* live worker of the node did so (a script that does not use the API keeps the process-restart
+path). A worker's ``broken`` report (its collective failed) is passed to ``on_broken`` for the agent to
+report. Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elastic import inprocess_wire as wire
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "inprocess.sock"
+
+
+@dataclass
+class _Worker:
+    local_rank: int
+    pid: int
+    conn: socket.socket
+    paused_step: int | None = None  # set by its ``paused`` report, cleared by a resume
+    resumed_round: int | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, op: str, **fields: Any) -> bool:
+        with self.lock:
+            try:
+                self.conn.sendall(wire.encode(op, **fields))
+            except OSError:
+                return False
+        return True
+
+
+class InProcessHub:
+    """Serves the workers' control connections; see the module docstring."""
+
+    def __init__(self, folder: str | Path, on_broken: Callable[[int, int, str], None] | None = None) -> None:
+        self.path = str(Path(folder) / SOCKET_NAME)
+        self._on_broken = on_broken
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(self.path)
+        os.chmod(self.path, 0o600)
+        self._server.listen(64)
+        self._cond = threading.Condition()
+        self._workers: dict[int, _Worker] = {}  # by pid
+        self._closed = False
+        threading.Thread(target=self._accept, name="inprocess-hub", daemon=True).start()
+
+    # -- what the agent asks ---------------------------------------------------------------------------
+    def covers(self, pids: list[int]) -> bool:
+        """Every one of ``pids`` (a node's live workers; at least one) runs the in-process API."""
+        with self._cond:
+            return bool(pids) and all(pid in self._workers for pid in pids)
+
+    def pause(
+        self, pids: list[int], round_number: int, timeout_s: float, alive: Callable[[int], bool]
+    ) -> str | None:
+        """Ask ``pids`` to leave their step and wait until each paused or exited (``alive`` says which
+        still run). None when they all did within ``timeout_s``, else why not."""
+        with self._cond:
+            workers = [self._workers[pid] for pid in pids if pid in self._workers]
+            for w in workers:
+                w.paused_step, w.resumed_round = None, None
+        for w in workers:
+            w.send(wire.PAUSE, round=round_number)
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                waiting = [
+                    w for w in workers if w.paused_step is None and alive(w.pid) and w.pid in self._workers
+                ]
+                if not waiting:
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    ranks = ", ".join(str(w.local_rank) for w in waiting)
+                    return f"local ranks {ranks} did not leave their step within {timeout_s:g}s"
+                self._cond.wait(min(left, 0.05))  # also notices exits, which send nothing
+
+    def paused_pids(self) -> list[int]:
+        """Workers that paused and were not resumed since."""
+        with self._cond:
+            return [pid for pid, w in self._workers.items() if w.paused_step is not None]
+
+    def resume(self, pid: int, round_number: int, env: dict[str, str]) -> bool:
+        """Send the next round's environment to a paused worker; False if it is gone."""
+        with self._cond:
+            worker = self._workers.get(pid)
+            if worker is None:
+                return False
+            worker.paused_step = None
+        return worker.send(wire.RESUME, round=round_number, env=env)
+
+    def forget(self, pids: list[int]) -> None:
+        """Drop the connections of workers that were stopped (their process is gone or going)."""
+        with self._cond:
+            gone = [self._workers.pop(pid) for pid in pids if pid in self._workers]
+        for w in gone:
+            with contextlib.suppress(OSError):
+                w.conn.close()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            workers = list(self._workers.values())
+            self._workers.clear()
+        for w in workers:
+            with contextlib.suppress(OSError):
+                w.conn.close()
+        with contextlib.suppress(OSError):
+            self._server.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    # -- threads ---------------------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn,), name="inprocess-worker", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        reader = wire.LineReader(conn, wire.WORKER_OPS)
+        worker: _Worker | None = None
+        while True:
+            try:
+                messages = reader.read()
+            except wire.WireError as exc:
+                log.warning("in-process channel: %s; closing the connection", exc)
+                messages = None
+            if messages is None:
+                break
+            for message in messages:
+                worker = self._handle(conn, worker, message)
+        with contextlib.suppress(OSError):
+            conn.close()
+        if worker is not None:
+            with self._cond:
+                if self._workers.get(worker.pid) is worker:
+                    del self._workers[worker.pid]
+                self._cond.notify_all()
+
+    def _handle(self, conn: socket.socket, worker: _Worker | None, message: dict[str, Any]) -> _Worker | None:
+        op = message["op"]
+        if op == wire.HELLO:
+            worker = _Worker(int(message["local_rank"]), int(message["pid"]), conn)
+            with self._cond:
+                if self._closed:
+                    return None
+                self._workers[worker.pid] = worker
+            log.debug("local rank %d (pid %d) recovers in process", worker.local_rank, worker.pid)
+            return worker
+        if worker is None:
+            log.warning("in-process channel: %s before hello; ignored", op)
+            return None
+        if op == wire.PAUSED:
+            with self._cond:
+                worker.paused_step = int(message.get("step") or 0)
+                self._cond.notify_all()
+        elif op == wire.RESUMED:
+            worker.resumed_round = message.get("round")
+        elif op == wire.BROKEN and self._on_broken is not None:
+            self._on_broken(worker.local_rank, worker.pid, str(message.get("error", "")))
+        return worker

@@ -1,0 +1,136 @@
+"""The worker's end of the in-process control channel (:mod:`elastic.inprocess_wire`).
+
+A daemon thread reads the agent's messages. ``pause`` sets :attr:`AgentLink.pausing` at once (the
+training loop leaves at its next commit) and, if the loop has not left within ``leave_grace_s``, calls
+``on_stuck`` (which releases the process group, so a collective blocked on a vanished peer raises).
+``resume`` hands the next round's environment to :meth:`AgentLink.wait_resume`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from elastic import contract
+from elastic import inprocess_wire as wire
+from elastic.errors import WorkerError
+
+log = logging.getLogger(__name__)
+
+
+class AgentGone(WorkerError, RuntimeError):
+    """The agent closed the control connection (it is stopping this worker, or it died)."""
+
+
+class AgentLink:
+    """One worker's control connection to its agent."""
+
+    def __init__(self, sock: socket.socket, leave_grace_s: float, on_stuck: Callable[[], None]) -> None:
+        self._sock = sock
+        self._send_lock = threading.Lock()
+        self._leave_grace_s = leave_grace_s
+        self._on_stuck = on_stuck
+        self._cond = threading.Condition()
+        self._resume: dict[str, Any] | None = None
+        self._closed = False
+        self._left = threading.Event()  # the training loop left the step it was in
+        #: Set when the agent asked to leave the current step; cleared by :meth:`wait_resume`.
+        self.pausing = threading.Event()
+        self.pause_round: int | None = None
+        threading.Thread(target=self._read, name="elastic-inprocess-link", daemon=True).start()
+
+    @classmethod
+    def connect(cls, leave_grace_s: float, on_stuck: Callable[[], None]) -> AgentLink | None:
+        """Connect and say hello; None when no agent offers in-process recovery (plain torchrun)."""
+        path = os.environ.get(contract.INPROCESS_SOCKET)
+        if not path:
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            sock.close()
+            log.warning(
+                "cannot reach the agent's in-process socket %s (%s): recovery restarts this process",
+                path,
+                exc,
+            )
+            return None
+        link = cls(sock, leave_grace_s, on_stuck)
+        local_rank = int(
+            os.environ.get(contract.ELASTIC_LOCAL_RANK) or os.environ.get(contract.LOCAL_RANK, "0")
+        )
+        link.send(wire.HELLO, local_rank=local_rank, pid=os.getpid())
+        return link
+
+    def send(self, op: str, **fields: Any) -> None:
+        with self._send_lock, contextlib.suppress(OSError):
+            self._sock.sendall(wire.encode(op, **fields))
+
+    def left_step(self) -> None:
+        """The training loop left its step (a commit saw the pause, or a collective raised)."""
+        self._left.set()
+
+    def wait_resume(self, timeout_s: float) -> dict[str, Any]:
+        """The next round's ``resume`` message; :class:`AgentGone` if the agent closed the connection,
+        :class:`TimeoutError` after ``timeout_s``."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._resume is not None or self._closed, timeout_s):
+                raise TimeoutError(f"no new round from the agent within {timeout_s:g}s")
+            if self._resume is None:
+                raise AgentGone("the agent closed the in-process connection")
+            resume, self._resume = self._resume, None
+            self.pausing.clear()
+            self._left.clear()
+            return resume
+
+    def wait_pause(self, timeout_s: float) -> bool:
+        """Wait for the agent's ``pause`` (after this worker reported a broken collective)."""
+        return self.pausing.wait(timeout_s)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def _read(self) -> None:
+        reader = wire.LineReader(self._sock, wire.AGENT_OPS)
+        while True:
+            try:
+                messages = reader.read()
+            except wire.WireError as exc:
+                log.error("in-process channel: %s", exc)
+                messages = None
+            if messages is None:
+                with self._cond:
+                    self._closed = True
+                    self._cond.notify_all()
+                self.pausing.set()  # whatever the loop waits for, it is not coming
+                return
+            for message in messages:
+                self._handle(message)
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        if message["op"] == wire.PAUSE:
+            self.pause_round = message.get("round")
+            if not self.pausing.is_set():
+                self.pausing.set()
+                threading.Thread(
+                    target=self._release_if_stuck, name="elastic-inprocess-leave", daemon=True
+                ).start()
+        elif message["op"] == wire.RESUME:
+            with self._cond:
+                self._resume = message
+                self._cond.notify_all()
+
+    def _release_if_stuck(self) -> None:
+        if not self._left.wait(self._leave_grace_s):
+            log.info(
+                "still in a collective %.2fs after the pause: releasing the process group",
+                self._leave_grace_s,
+            )
+            self._on_stuck()
