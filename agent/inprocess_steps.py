@@ -22,7 +22,7 @@ def pause_workers(
     group: WorkerGroup,
     hub: InProcessHub,
     running: list[int],
-    round_number: int,
+    assignment: Assignment | None,
     settings: AgentSettings,
     event_log: EventLog,
 ) -> bool:
@@ -33,6 +33,7 @@ def pause_workers(
     live = [pids[r] for r in running]
     if not hub.covers(live):
         return False
+    round_number = assignment.round if assignment is not None else 0
 
     def alive(pid: int) -> bool:
         current = group.pids

@@ -260,9 +260,8 @@ class ElasticAgent:
         self._cancel_check_timer()
         self.view = NodeView(state=NodeState.WAITING)
         running = self.group.running()
-        round_number = self.assignment.round if self.assignment is not None else 0
         if action.rejoin and pause_workers(
-            self.group, self.inprocess, running, round_number, self.settings, self.event_log
+            self.group, self.inprocess, running, self.assignment, self.settings, self.event_log
         ):
             return
         self.inprocess.forget(self.group.pids)

@@ -39,7 +39,7 @@ from master.job_progress import (
     update_committed_step,
 )
 from master.job_replies import assignment, command_for, command_reply, exclude_reply, replica_targets
-from master.job_results import attribute_failure_to_loss, on_failure, on_node_check, on_success
+from master.job_results import attribute_failure_to_loss, corroborate, on_failure, on_node_check, on_success
 from master.job_snapshot import restore_into, snapshot_of
 from master.job_state import AGGREGATE_PERIOD_S, EXIT_FAILED, JobState
 from master.job_status import job_info, job_status
@@ -162,6 +162,7 @@ class Job(JobState):
             node.state, node.round = req.state, req.round
         if current_round and req.state is NodeState.FAILED and self.outcome is None:
             on_failure(self, node, req.failure, now)
+            corroborate(self, req.node_id, now)
         elif current_round and req.node_check is not None and self.outcome is None:
             on_node_check(self, req.node_id, req.round, req.node_check, now)
         elif (
@@ -196,14 +197,17 @@ class Job(JobState):
         if not matches(node.secret_hash, node_secret):
             return
         s = self.settings
-        within = min(2 * s.heartbeat_interval_s, s.heartbeat_timeout_s)
-        self.liveness.suspect(node_id, now, within)
+        pending = self.pending_failure
+        if pending is not None and pending.reporter != node_id and node_id in pending.members:
+            # Another member's failure report (its collective broke) corroborates it: dead at once.
+            self.liveness.suspect(node_id, now, 0.0)
+            why = f"after node {pending.reporter} reported a failure; declared dead now"
+        else:
+            within = min(2 * s.heartbeat_interval_s, s.heartbeat_timeout_s)
+            self.liveness.suspect(node_id, now, within)
+            why = f"declared dead unless it heartbeats within {within:g}s"
         self.record(
-            now,
-            "node_suspect",
-            f"node {node_id} closed its connection to the master; declared dead unless it heartbeats "
-            f"within {within:g}s",
-            node=node_id,
+            now, "node_suspect", f"node {node_id} closed its connection to the master {why}", node=node_id
         )
 
     def watch(

@@ -53,10 +53,28 @@ def on_failure(job: JobState, node: NodeInfo, failure: WorkerFailure | None, now
     if not over_budget:
         job.restart_count += 1
     job.pending_failure = PendingFailure(
-        round_number, frozenset(job.rdzv.current.members), cause, counted=not over_budget
+        round_number, frozenset(job.rdzv.current.members), cause, not over_budget, node.node_id
     )
     open_round(job, now, cause, counted=True, cause=verdict, began_at=failed_at)
     advance(job, now)
+
+
+def corroborate(job: JobState, reporter: str, now: float) -> None:
+    """``reporter``'s failure report corroborates the suspicion of every other member whose connection
+    to the master closed (DESIGN.md, liveness corroboration): each is dead now, not after two more
+    heartbeat intervals. A report alone, with no closed connection, stays a suspicion of nobody."""
+    pending = job.pending_failure
+    members = pending.members if pending is not None else job.rdzv.current.members
+    for member in members:
+        if member != reporter and job.liveness.suspected(member):
+            job.liveness.suspect(member, now, 0.0)
+            job.record(
+                now,
+                "node_suspect",
+                f"node {member} closed its connection to the master and node {reporter} reported a failure: "
+                "declared dead now",
+                node=member,
+            )
 
 
 def attribute_failure_to_loss(job: JobState, node_id: str, now: float, last_seen: float) -> None:

@@ -46,6 +46,7 @@ class PendingFailure:
     members: frozenset[str]
     cause: str
     counted: bool  # False when the budget was already spent: the job fails at the close
+    reporter: str = ""  # the node that reported it: its report corroborates another member's closed link
 
 
 class JobState:

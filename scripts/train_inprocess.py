@@ -10,7 +10,7 @@ newest committed step from a live peer, and training goes on from there (docs/in
 
 Output (stdout): every rank prints a line each time its world forms, rank 0 one line per step::
 
-    world rank=R world=W round=N restart=C step=S pid=P
+    world rank=R world=W round=N restart=C step=S pid=P state=<SHA-256 of the weights and optimizer state>
     step=N loss=X.XXXX world=W
     done step=N
 """
@@ -18,6 +18,7 @@ Output (stdout): every rank prints a line each time its world forms, rank 0 one 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -43,6 +44,17 @@ from train_script import (  # noqa: E402 - the sibling example
     weights_hash,
     write_atomically,
 )
+
+
+def state_hash(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """SHA-256 of the weights and the optimizer's tensors: equal on every rank of a world."""
+    digest = hashlib.sha256(weights_hash(model).encode())
+    for _, per_param in sorted(optimizer.state_dict()["state"].items()):
+        for name, value in sorted(per_param.items()):
+            if isinstance(value, torch.Tensor):
+                digest.update(name.encode())
+                digest.update(value.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         pid = os.getpid()
         log(
             f"world rank={world.rank} world={world.world_size} round={world.round} "
-            f"restart={world.restart_count} step={world.step} pid={pid}"
+            f"restart={world.restart_count} step={world.step} pid={pid} state={state_hash(model, optimizer)}"
         )
         samples = SampleLog(args.sample_log, world.rank)
         batches = step_batches(sampler)

@@ -352,6 +352,36 @@ def test_a_node_whose_connection_closed_is_dead_after_two_intervals_unless_it_be
     assert set(job.nodes) == {"b"}
 
 
+@pytest.mark.parametrize("report_first", [False, True], ids=["closed-then-report", "report-then-closed"])
+def test_a_closed_connection_and_another_members_failure_report_make_a_verdict_at_once(report_first: bool):
+    job = make_job(min_nodes=1, max_nodes=2)
+    running(job, 0.0, "a", "b")
+    steps = [
+        lambda: calls.connection_lost(job, "b", 1.0),
+        lambda: beat(job, "a", 1.0, state=NodeState.FAILED, failure=crash()),  # a's collective broke
+    ]
+    for step in reversed(steps) if report_first else steps:
+        step()
+    assert job.restart_count == 1, "provisional until the loss explains it"
+    mark = job.event_count
+    job.tick(1.01)  # not two heartbeat intervals later
+    assert "node_dead" in new_kinds(job, mark)
+    assert set(job.nodes) == {"a"}
+    assert job.restart_count == 0, "the failure followed b's loss: a membership change"
+
+
+def test_a_failure_report_alone_is_no_verdict_on_anybody():
+    job = make_job(min_nodes=1, max_nodes=2)
+    running(job, 0.0, "a", "b")
+    beat(job, "a", 1.0, state=NodeState.FAILED, failure=crash())
+    beat(job, "b", 1.0)
+    job.tick(1.5)
+    assert set(job.nodes) == {"a", "b"}
+    calls.connection_lost(job, "a", 1.6)  # the reporter's own closed connection corroborates nothing
+    job.tick(1.7)
+    assert set(job.nodes) == {"a", "b"}
+
+
 def test_a_closed_connection_of_a_finished_node_or_job_is_not_suspect():
     job = make_job(min_nodes=1, max_nodes=2)
     running(job, 0.0, "a", "b")

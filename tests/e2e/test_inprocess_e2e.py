@@ -1,0 +1,166 @@
+"""In-process recovery end to end: real agents, a real master, real gloo workers of
+scripts/train_inprocess.py (``elastic.run``). A survivor keeps its PID across a peer's SIGKILL, a node's
+SIGKILL, a node that vanishes (SIGSTOP) and a node that joins; a replaced rank's state equals the
+survivors'; at a fixed world the final weights are bitwise those of an uninterrupted run; every sample is
+trained exactly once and no committed step is redone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import e2e
+import pytest
+import torch
+from e2e import REPO, alive, elastic_run_argv, wait_until
+from multinode_cluster import (
+    EXIT_S,
+    HEARTBEAT_TIMEOUT_S,
+    START_S,
+    agent_env,
+    assert_no_survivors,
+    assert_succeeded,
+    remember_workers,
+    start_cluster,
+)
+
+launch = e2e.launch
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = REPO / "scripts" / "train_inprocess.py"
+WORLD_LINE = re.compile(
+    r"^\[rank\d+\]:world rank=(\d+) world=(\d+) round=(\d+) restart=(\d+) step=(\d+) pid=(\d+) state=(\w+)$",
+    re.M,
+)
+
+
+def worlds(output: str) -> list[dict[str, int | str]]:
+    """Every ``world`` line: one per rank each time its group formed."""
+    keys = ("rank", "world", "round", "restart", "step", "pid")
+    return [
+        {**dict(zip(keys, map(int, m[:6]), strict=True)), "state": m[6]} for m in WORLD_LINE.findall(output)
+    ]
+
+
+def script(tmp_path: Path, steps: int, step_time: float, *extra: str) -> list[str]:
+    return [
+        str(SCRIPT),
+        "--steps",
+        str(steps),
+        "--step-time",
+        str(step_time),
+        "--batch-size",
+        "64",
+        "--num-samples",
+        "1024",
+        "--sample-log",
+        str(tmp_path / "samples"),
+        *extra,
+    ]
+
+
+def check_samples_once(folder: Path, steps: int, world: int) -> None:
+    """Each step 1..steps was trained once per rank slot (the newest round that logged it counts), and
+    no sample index appears twice in one epoch."""
+    latest: dict[tuple[int, int], tuple[int, int, list[str]]] = {}  # (step, rank) -> (round, epoch, rows)
+    for path in folder.glob("round*-rank*-pid*.log"):
+        round_number, rank = map(int, re.match(r"round(\d+)-rank(\d+)-", path.name).groups())
+        for line in path.read_text().splitlines():
+            step, epoch, *rows = line.split()
+            key = (int(step), rank)
+            if key not in latest or latest[key][0] < round_number:
+                latest[key] = (round_number, int(epoch), rows)
+    assert sorted({s for s, _ in latest}) == list(range(1, steps + 1)), "a step is missing"
+    by_epoch: dict[int, list[str]] = {}
+    for (_, rank), (_, epoch, rows) in latest.items():
+        if rank < world:
+            by_epoch.setdefault(epoch, []).extend(rows)
+    for epoch, rows in by_epoch.items():
+        assert len(rows) == len(set(rows)), f"epoch {epoch}: a sample was trained twice"
+
+
+def standalone(launch, tmp_path: Path, name: str, steps: int, step_time: float):
+    argv = elastic_run_argv(
+        "--standalone", "--nproc-per-node", "2", "--stop-grace", "2", "--quiet",
+        *script(tmp_path / name, steps, step_time, "--final-weights", str(tmp_path / f"{name}.pt")),
+    )  # fmt: skip
+    return launch(argv, name=name, env=agent_env())
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_sigkill_keeps_the_survivor_and_ends_bitwise_equal_to_an_uninterrupted_run(launch, tmp_path):
+    steps = 60
+    job = standalone(launch, tmp_path, "killed", steps, 0.03)
+    wait_until(lambda: len(worlds(job.output())) == 2, START_S, "both ranks' first world")
+    first = {w["rank"]: w for w in worlds(job.output())}
+    remember_workers(job)
+    for kill in (1, 2):  # two kills of rank 1, the second while the first replacement trains
+        job.wait_for(rf"^\[rank0\]:step={12 * kill} ", START_S)
+        victim = max(worlds(job.output()), key=lambda w: (w["round"], w["rank"]))
+        assert victim["rank"] == 1
+        os.kill(int(victim["pid"]), signal.SIGKILL)
+        formed = 2 + 2 * kill
+        wait_until(lambda n=formed: len(worlds(job.output())) == n, START_S, f"world {kill + 1} to form")
+    assert_succeeded(job)
+
+    formed = worlds(job.output())
+    assert {w["pid"] for w in formed if w["rank"] == 0} == {first[0]["pid"]}, "rank 0 kept its process"
+    assert len({w["pid"] for w in formed if w["rank"] == 1}) == 3, "rank 1 was replaced twice"
+    for round_number in (2, 3):
+        pair = [w for w in formed if w["round"] == round_number]
+        assert len(pair) == 2 and pair[0]["state"] == pair[1]["state"], f"round {round_number}: {pair}"
+        assert pair[0]["step"] == pair[1]["step"] > 0, "resumed from the survivor's memory, not from step 0"
+    check_samples_once(tmp_path / "killed" / "samples", steps, 2)
+
+    clean = standalone(launch, tmp_path, "clean", steps, 0.0)
+    assert_succeeded(clean)
+    killed, reference = torch.load(tmp_path / "killed.pt"), torch.load(tmp_path / "clean.pt")
+    assert all(torch.equal(killed[k], reference[k]) for k in reference), "not bitwise equal"
+    assert_no_survivors(job, clean)
+
+
+def node_pids(agent) -> list[int]:
+    """The agent and its workers (a node's processes)."""
+    return [agent.pid, *agent.worker_pids("train_inprocess.py")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_lost_node_leaves_the_survivor_training_in_its_own_process(launch, tmp_path, fault):
+    cluster = start_cluster(launch, tmp_path, "1:2")
+    steps = 200 if fault == "SIGSTOP" else 120
+    a = cluster.agent("a", script(tmp_path, steps, 0.03), env={"ELASTIC_PG_TIMEOUT_S": "600"})
+    a.wait_for(r"round 1: node rank 0 of 1", START_S)
+    a.wait_for(r"^\[rank0\]:step=5 ", START_S)
+    b = cluster.agent("b", script(tmp_path, steps, 0.03), env={"ELASTIC_PG_TIMEOUT_S": "600"})
+    wait_until(lambda: any(w["world"] == 2 for w in worlds(a.output())), START_S, "world 2 on node a")
+    a_pid = worlds(a.output())[0]["pid"]
+    b.wait_for(r"^\[rank1\]:world rank=1 world=2", START_S)
+    joined = [w for w in worlds(a.output()) + worlds(b.output()) if w["world"] == 2]
+    assert {w["state"] for w in joined} == {joined[0]["state"]}, "the joining rank got the runner's state"
+    a.wait_for(r"^\[rank0\]:step=\d+ loss=\S+ world=2$", START_S)
+    remember_workers(a)
+
+    victims = node_pids(b)
+    sig = signal.SIGKILL if fault == "SIGKILL" else signal.SIGSTOP
+    for pid in victims:  # the whole node: its agent and its worker
+        os.kill(pid, sig)
+    # SIGSTOP: the survivor is blocked in an all-reduce with a peer whose sockets stay open; only the
+    # heartbeat timeout notices the node, and the release of the group gets the survivor out.
+    budget = HEARTBEAT_TIMEOUT_S + 60
+    wait_until(lambda: sum(w["world"] == 1 for w in worlds(a.output())) == 1, budget, "world 1 on node a")
+    a.wait_for(r"^\[rank0\]:step=\d+ loss=\S+ world=1$", START_S)
+    assert {w["pid"] for w in worlds(a.output())} == {a_pid}, "the survivor kept its process"
+    assert_succeeded(a)
+    status_lines = cluster.master.output()
+    assert "failure_not_counted" in status_lines or "node_dead" in status_lines
+    if fault == "SIGSTOP":
+        for pid in victims:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert_no_survivors(a)
+    assert a.wait(EXIT_S) == 0
