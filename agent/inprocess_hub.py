@@ -28,6 +28,15 @@ log = logging.getLogger(__name__)
 SOCKET_NAME = "inprocess.sock"
 
 
+def _hang_up(sock: socket.socket) -> None:
+    """Close ``sock`` so that the peer sees it at once: a plain close() does not end a receive that
+    another thread of this process is blocked in, so the connection would stay up."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
 @dataclass
 class _Worker:
     local_rank: int
@@ -111,8 +120,7 @@ class InProcessHub:
         with self._cond:
             gone = [self._workers.pop(pid) for pid in pids if pid in self._workers]
         for w in gone:
-            with contextlib.suppress(OSError):
-                w.conn.close()
+            _hang_up(w.conn)
 
     def close(self) -> None:
         with self._cond:
@@ -120,10 +128,8 @@ class InProcessHub:
             workers = list(self._workers.values())
             self._workers.clear()
         for w in workers:
-            with contextlib.suppress(OSError):
-                w.conn.close()
-        with contextlib.suppress(OSError):
-            self._server.close()
+            _hang_up(w.conn)
+        _hang_up(self._server)
         with contextlib.suppress(OSError):
             os.unlink(self.path)
 

@@ -95,6 +95,8 @@ class AgentLink:
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # ends the reader thread's receive too
+        with contextlib.suppress(OSError):
             self._sock.close()
 
     def _read(self) -> None:

@@ -175,3 +175,20 @@ def test_batch_sampler_drives_a_data_loader_with_uneven_micro_batches() -> None:
     assert len(got) == len(sampler.batch_sampler())
     assert [i for b in got for i in b] == list(sampler)
     assert all(1 <= len(b) <= 2 for b in got)
+
+
+def test_reshard_keeps_the_position_and_deals_the_next_steps_to_the_new_world() -> None:
+    two = [ElasticSampler(48, num_replicas=2, rank=r, global_batch_size=8, seed=3) for r in range(2)]
+    for s in two:
+        s.advance(2)
+    one = two[0]
+    one.reshard(1, 0)  # rank 1 left: rank 0 now takes whole steps
+    whole = next(one.steps()).micro_batches[0]
+    three = [ElasticSampler(48, num_replicas=3, rank=r, global_batch_size=8, seed=3) for r in range(3)]
+    for s in three:
+        s.load_state_dict(two[1].state_dict())
+    assert sorted(whole) == sorted(i for s in three for i in next(s.steps()).micro_batches[0])
+    with pytest.raises(ValueError):
+        one.reshard(2, 2)
+    with pytest.raises(ValueError):
+        one.reshard(9, 0)  # more ranks than samples per step
