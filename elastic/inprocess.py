@@ -29,14 +29,14 @@ What happens on a fault:
    ranks that lack it (new processes, or a rank one step behind) receive it from a live peer, in memory
    (:mod:`elastic.inprocess_state`). Then ``train`` is called again with the new :class:`World`.
 
-If that does not work out (no new round within ``timeout_s``, the group does not form), the exception
-ends the process and the agent falls back to restarting processes, as for any script. Without an agent
-that offers it (plain torchrun) :func:`run` forms the group once and calls ``train`` once.
+If that does not work out (the agent goes away, the group does not form), the exception ends the
+process and the agent falls back to restarting processes, as for any script. Without an agent that
+offers it (plain torchrun) :func:`run` forms the group once and calls ``train`` once. docs/inprocess.md
+has the whole story.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import time
@@ -56,8 +56,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Default seconds a live worker waits for the next round before giving up (the agent then restarts it).
-DEFAULT_TIMEOUT_S = 60.0
 #: Default seconds between the agent's pause and the release of a group still in a collective.
 DEFAULT_LEAVE_GRACE_S = 0.1
 
@@ -109,7 +107,7 @@ def run(
     *,
     step: int = 0,
     backend: str | None = None,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float | None = None,
     leave_grace_s: float = DEFAULT_LEAVE_GRACE_S,
 ) -> T:
     """Run ``train`` in this process until it returns, re-forming the group around it after each fault.
@@ -121,14 +119,16 @@ def run(
         state: the objects whose ``state_dict()`` is the training state (model, optimizer, sampler...).
         step: the step ``state`` holds at start (e.g. what ``elastic.load`` restored).
         backend: the collective backend; by default nccl with a GPU, else gloo.
-        timeout_s: how long a live worker waits for the next round before it gives up.
+        timeout_s: how long a live worker waits for the agent's word (a pause after its collective broke,
+            the next round after it paused) before it gives up; None: as long as its agent is connected
+            (an agent that dies or stops the worker closes the connection, which ends the wait).
         leave_grace_s: how long a pause waits for the loop to reach a commit before it releases the group.
 
     Returns:
         What ``train`` returned. The process group is left formed (destroy it when done).
     """
-    if timeout_s <= 0 or leave_grace_s < 0:
-        raise ValueError("timeout_s must be > 0 and leave_grace_s >= 0")
+    if (timeout_s is not None and timeout_s <= 0) or leave_grace_s < 0:
+        raise ValueError("timeout_s must be > 0 (or None) and leave_grace_s >= 0")
     if backend is None:
         import torch
 
@@ -198,7 +198,7 @@ def _form(
     return world
 
 
-def _leave(control: GroupControl, committed: Committed, link: AgentLink, timeout_s: float) -> None:
+def _leave(control: GroupControl, committed: Committed, link: AgentLink, timeout_s: float | None) -> None:
     """Undo the broken step, drop the group, and take the next round's environment."""
     committed.restore()
     control.drop()
@@ -208,10 +208,3 @@ def _leave(control: GroupControl, committed: Committed, link: AgentLink, timeout
     except (AgentGone, TimeoutError) as exc:
         raise RuntimeError(f"in-process recovery gave up: {exc}") from exc
     os.environ.update({str(k): str(v) for k, v in resume["env"].items()})
-
-
-def pg_timeout() -> datetime.timedelta:
-    """The collective timeout the group is formed with (``ELASTIC_PG_TIMEOUT_S``)."""
-    from elastic.distributed import _timeout_from_env
-
-    return _timeout_from_env(os.environ)

@@ -76,12 +76,12 @@ class AgentLink:
         """The training loop left its step (a commit saw the pause, or a collective raised)."""
         self._left.set()
 
-    def wait_resume(self, timeout_s: float) -> dict[str, Any]:
+    def wait_resume(self, timeout_s: float | None) -> dict[str, Any]:
         """The next round's ``resume`` message; :class:`AgentGone` if the agent closed the connection,
         :class:`TimeoutError` after ``timeout_s``."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._resume is not None or self._closed, timeout_s):
-                raise TimeoutError(f"no new round from the agent within {timeout_s:g}s")
+                raise TimeoutError(f"no new round from the agent within {timeout_s}s")
             if self._resume is None:
                 raise AgentGone("the agent closed the in-process connection")
             resume, self._resume = self._resume, None
@@ -89,7 +89,7 @@ class AgentLink:
             self._left.clear()
             return resume
 
-    def wait_pause(self, timeout_s: float) -> bool:
+    def wait_pause(self, timeout_s: float | None) -> bool:
         """Wait for the agent's ``pause`` (after this worker reported a broken collective)."""
         return self.pausing.wait(timeout_s)
 
