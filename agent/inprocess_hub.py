@@ -68,6 +68,9 @@ class InProcessHub:
         self._cond = threading.Condition()
         self._workers: dict[int, _Worker] = {}  # by pid
         self._closed = False
+        #: Why in-process recovery failed (a worker could not re-form its group): the next round restarts
+        #: processes instead. Cleared by :meth:`take_fallback`.
+        self._fallback: str | None = None
         threading.Thread(target=self._accept, name="inprocess-hub", daemon=True).start()
 
     # -- what the agent asks ---------------------------------------------------------------------------
@@ -100,6 +103,12 @@ class InProcessHub:
                     ranks = ", ".join(str(w.local_rank) for w in waiting)
                     return f"local ranks {ranks} did not leave their step within {timeout_s:g}s"
                 self._cond.wait(min(left, 0.05))  # also notices exits, which send nothing
+
+    def take_fallback(self) -> str | None:
+        """Why the last in-process recovery failed, once (None: it did not)."""
+        with self._cond:
+            reason, self._fallback = self._fallback, None
+        return reason
 
     def paused_pids(self) -> list[int]:
         """Workers that paused and were not resumed since."""
@@ -182,6 +191,11 @@ class InProcessHub:
                 self._cond.notify_all()
         elif op == wire.RESUMED:
             worker.resumed_round = message.get("round")
+        elif op == wire.FAILED:
+            with self._cond:
+                self._fallback = (
+                    f"local rank {worker.local_rank} could not re-form its group: {message.get('error')}"
+                )
         elif op == wire.BROKEN and self._on_broken is not None:
             self._on_broken(worker.local_rank, worker.pid, str(message.get("error", "")))
         return worker

@@ -31,9 +31,11 @@ def pause_workers(
     the caller stops them, the fallback to a process restart (with an event and a log line saying why)."""
     pids = group.pids
     live = [pids[r] for r in running]
+    round_number = assignment.round if assignment is not None else 0
+    if (failed := hub.take_fallback()) is not None:
+        return _fall_back(hub, live, round_number, failed, event_log)
     if not hub.covers(live):
         return False
-    round_number = assignment.round if assignment is not None else 0
 
     def alive(pid: int) -> bool:
         current = group.pids
@@ -42,14 +44,18 @@ def pause_workers(
     began = time.monotonic()
     trouble = hub.pause(live, round_number, settings.stop_grace_s, alive)
     if trouble is not None:
-        log.warning("in-process recovery failed (%s); restarting the workers' processes instead", trouble)
-        event_log.record("inprocess_fallback", round=round_number, reason=trouble)
-        hub.forget(live)
-        return False
+        return _fall_back(hub, live, round_number, trouble, event_log)
     paused = [r for r in running if alive(pids[r])]
     log.info("paused local ranks %s in process (%.3fs)", paused, time.monotonic() - began)
     event_log.record("workers_paused", round=round_number, local_ranks=paused)
     return True
+
+
+def _fall_back(hub: InProcessHub, live: list[int], round_number: int, why: str, event_log: EventLog) -> bool:
+    log.warning("in-process recovery failed (%s); restarting the workers' processes instead", why)
+    event_log.record("inprocess_fallback", round=round_number, reason=why)
+    hub.forget(live)
+    return False
 
 
 def start_or_resume(

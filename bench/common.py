@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import shlex
@@ -74,6 +75,18 @@ def elastic_exec_tool(cmd: str | None = None) -> Tool:
     return Tool(EXEC_TOOL, (*base.argv, "--no-warm-start"), elastic=True)
 
 
+#: elastic-run with the workload inside ``elastic.run`` (bench/workload.py's in-process mode): live workers
+#: keep their processes across a failure (issue 17).
+INPROCESS_TOOL = "elastic-run-inprocess"
+
+
+def elastic_inprocess_tool(cmd: str | None = None) -> Tool:
+    # Cluster and the benchmarks launch agents with Tool.environ(), and an agent hands its environment on
+    # to its workers: BENCH_INPROCESS (bench/workload.py's INPROCESS_ENV) reaches the workload.
+    base = elastic_tool(cmd)
+    return Tool(INPROCESS_TOOL, base.argv, (("BENCH_INPROCESS", "1"),), elastic=True)
+
+
 def torchrun_tool(cmd: str | None = None) -> Tool:
     return Tool(
         "torchrun", tuple(shlex.split(cmd)) if cmd else (sys.executable, "-m", "torch.distributed.run")
@@ -108,8 +121,9 @@ def base_parser(description: str, runs: int, tools: str = "elastic-run,torchrun"
     p.add_argument(
         "--tools",
         default=tools,
-        help=f"comma-separated, from elastic-run, {EXEC_TOOL} (elastic-run --no-warm-start: the 'before' "
-        "of issue 8), torchrun, torchrun-noshare (torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) "
+        help=f"comma-separated, from elastic-run, {INPROCESS_TOOL} (the workload inside elastic.run), "
+        f"{EXEC_TOOL} (elastic-run --no-warm-start: the 'before' of issue 8), torchrun, torchrun-noshare "
+        "(torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) "
         "(default %(default)s)",
     )
     p.add_argument("--workdir", default=None, help="keep logs here (default: a temp folder, removed)")
@@ -121,6 +135,7 @@ def selected_tools(args: argparse.Namespace) -> list[Tool]:
     wanted = [t.strip() for t in args.tools.split(",") if t.strip()]
     tools = {
         "elastic-run": elastic_tool(args.elastic_cmd),
+        INPROCESS_TOOL: elastic_inprocess_tool(args.elastic_cmd),
         EXEC_TOOL: elastic_exec_tool(args.elastic_cmd),
         "torchrun": torchrun_tool(args.torchrun_cmd),
         "torchrun-noshare": torchrun_noshare_tool(args.torchrun_cmd),
@@ -525,11 +540,56 @@ def add_json_option(p: argparse.ArgumentParser) -> None:
     )
 
 
-def write_json(args: argparse.Namespace, benchmark: str, runs: Sequence[object]) -> None:
-    """With ``--json FILE``: ``{"benchmark": NAME, "runs": [one dict per run (its dataclass fields)]}``."""
+def write_json(
+    args: argparse.Namespace,
+    benchmark: str,
+    runs: Sequence[object],
+    tools: dict[str, dict[str, object]] | None = None,
+) -> None:
+    """With ``--json FILE``: ``{"benchmark": NAME, "command": ..., "runs": [one dict per run (its dataclass
+    fields)]}``, plus ``"tools"`` (per-tool figures, :func:`tool_summary`) when given."""
     if getattr(args, "json", None):
-        data = {"benchmark": benchmark, "command": command_line(), "runs": [asdict(r) for r in runs]}
+        data: dict[str, object] = {
+            "benchmark": benchmark,
+            "command": command_line(),
+            "runs": [asdict(r) for r in runs],
+        }
+        if tools is not None:
+            data["tools"] = tools
         Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+
+
+def nearest_rank(values: Sequence[float], pct: float) -> float | None:
+    """The ``pct`` percentile of ``values`` by nearest rank (a value that occurred); None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(pct / 100 * len(ordered))) - 1]
+
+
+def tool_summary(
+    tools: Sequence[Tool], results: Sequence[object], seconds: str
+) -> dict[str, dict[str, object]]:
+    """Per tool: ``{"runs", "recovered", "median_s", "p99_s", "survivor_pids_unchanged"}``, the seconds
+    being the ``seconds`` attribute of the recovered runs (``tool``, ``recovered`` and
+    ``survivor_pid_unchanged`` are the other attributes read)."""
+    out: dict[str, dict[str, object]] = {}
+    for tool in tools:
+        mine = [r for r in results if r.tool == tool.name]
+        values = [getattr(r, seconds) for r in mine if r.recovered and getattr(r, seconds) is not None]
+        out[tool.name] = {
+            "runs": len(mine),
+            "recovered": sum(1 for r in mine if r.recovered),
+            "median_s": statistics.median(values) if values else None,
+            "p99_s": nearest_rank(values, 99),
+            "survivor_pids_unchanged": sum(1 for r in mine if r.survivor_pid_unchanged),
+        }
+    return out
+
+
+def pids_unchanged(results: Sequence[object]) -> str:
+    """``K/N``: of one tool's ``N`` runs, ``K`` whose survivor kept its process across the kill."""
+    return f"{sum(1 for r in results if r.survivor_pid_unchanged)}/{len(results)}"
 
 
 def step_timeline(events: Iterable[dict], rank: int, since: float) -> list[list[float]]:

@@ -9,6 +9,11 @@ that torchrun has a fair chance. Node 2 (rank 1) is killed in both cases. A run 
 not trained at world size 1 within --timeout seconds is recorded as "did not recover", with what the
 survivor was doing (its last lines).
 
+elastic-run-inprocess is elastic-run with the workload inside ``elastic.run`` (in-process recovery, issue
+17): the survivor's worker keeps its process, so "survivor PID unchanged" (the pid of the survivor's last
+``start`` line before the kill equals that of its first one after) is true there, and its old worker is
+never gone. Its target: kill -> survivor step at world 1 median <= 1 s, max <= 1.5 s.
+
     python bench/node_loss.py                # 3 runs of each tool, alternated
     python bench/node_loss.py --smoke
     python bench/node_loss.py --json node_loss.json   # also every run as JSON (bench/figures.py)
@@ -27,6 +32,7 @@ if __package__ in (None, ""):
 from bench import common as c  # noqa: E402
 
 HEARTBEAT_TIMEOUT_S = 4.0  # the master's default, which the target is relative to
+INPROCESS_TARGET_S = (1.0, 1.5)  # issue 17: elastic-run-inprocess, median and max kill -> step at world 1
 # Lines of the survivor's log worth quoting when it does not recover (what it was waiting on).
 _NOTABLE = re.compile(
     r"(Error\b|error:|timed out|timeout|Connection closed|Connection reset|declared dead|round_opened|"
@@ -45,6 +51,7 @@ class Outcome:
     to_step: float | None = None  # kill -> survivor's first step at world 1
     lost: int | None = None
     restarts: int | None = None  # TORCHELASTIC_RESTART_COUNT of the survivor's new worker
+    survivor_pid_unchanged: bool | None = None  # the survivor's worker kept its process (None: unknown)
 
 
 def notable_lines(text: str, limit: int = 6) -> list[str]:
@@ -100,6 +107,8 @@ def one_run(tool: c.Tool, folder: Path, args) -> Outcome:
         both = events + victim.events()
         last_before = max((e["step"] for e in both if e["kind"] == "step" and e["t"] < t_kill), default=0)
         failed = gone[0] - t_kill if gone else None
+        # One worker per node: the survivor's log holds its lines only, whichever rank it had.
+        same_pid = start["pid"] == starts[-1]["pid"] if start and starts else None
         if not step:
             state = "survivor exited" if not survivor.alive() else "survivor still running"
             last = [e for e in events if e["t"] > t_kill]
@@ -112,6 +121,7 @@ def one_run(tool: c.Tool, folder: Path, args) -> Outcome:
                 f"{what}; survivor log: {tail})",
                 failed,
                 start["t"] - t_kill if start else None,
+                survivor_pid_unchanged=same_pid,
             )
         lost = last_before - start["resumed"] if start else None
         return Outcome(
@@ -123,15 +133,16 @@ def one_run(tool: c.Tool, folder: Path, args) -> Outcome:
             step["t"] - t_kill,
             lost,
             step.get("restart"),
+            same_pid,
         )
 
 
 def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
-    rows, medians = [], {}
+    rows, medians, stats = [], {}, {}
     for tool in tools:
         mine = [r for r in results if r.tool == tool.name]
         ok = [r for r in mine if r.recovered]
-        stat = c.Stat([r.to_step for r in ok])
+        stat = stats[tool.name] = c.Stat([r.to_step for r in ok])
         medians[tool.name] = stat.median
         rows.append(
             [
@@ -142,6 +153,7 @@ def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
                 c.Stat([r.to_start for r in mine if r.to_start is not None]).fmt(2),
                 c.Stat([float(r.lost) for r in ok if r.lost is not None]).fmt(0),
                 ", ".join(str(r.restarts) for r in ok) or "n/a",
+                c.pids_unchanged(mine),
             ]
         )
     target = HEARTBEAT_TIMEOUT_S + 2
@@ -159,6 +171,7 @@ def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
                 "kill -> survivor's new worker up (s)",
                 "steps lost",
                 "restart count after",
+                "survivor PID unchanged",
             ],
             rows,
         ),
@@ -182,6 +195,8 @@ def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
             f"torchrun / elastic-run (target >= 10x): **{speedup}**"
             + ("" if tr is not None else " (torchrun never recovered within the timeout)")
         ]
+    if c.INPROCESS_TOOL in stats:
+        out += inprocess_target(stats[c.INPROCESS_TOOL])
     out += c.before_after(medians, "torchrun", "median kill -> survivor step at world 1")
     bad = [r for r in results if not r.recovered]
     if bad:
@@ -189,8 +204,24 @@ def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
     return "\n".join(out)
 
 
+def inprocess_target(stat: c.Stat) -> list[str]:
+    """The issue-17 verdict of elastic-run-inprocess: median and max kill -> survivor step at world 1."""
+    med_target, max_target = INPROCESS_TARGET_S
+    verdict = "n/a"
+    if stat.values:
+        verdict = "met" if stat.median <= med_target and max(stat.values) <= max_target else "NOT met"
+    worst = f"{max(stat.values):.2f}" if stat.values else "n/a"
+    return [
+        "",
+        f"Target {c.INPROCESS_TOOL} median <= {med_target:g} s and max <= {max_target:g} s (issue 17): "
+        f"{verdict} (median {stat.fmt(2)} s, max {worst} s).",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = c.base_parser(__doc__.splitlines()[0], runs=3, tools=f"elastic-run,{c.EXEC_TOOL},torchrun")
+    p = c.base_parser(
+        __doc__.splitlines()[0], runs=3, tools=f"elastic-run,{c.INPROCESS_TOOL},{c.EXEC_TOOL},torchrun"
+    )
     p.add_argument("--steps-before", type=int, default=10, help="steps at world 2 before the kill")
     p.add_argument("--step-time", type=float, default=0.05, help="workload --step-time")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds after the kill before giving up")
@@ -210,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             c.cleanup(c.log)
     c.emit_report(args, "Node loss", report(tools, results, args))
-    c.write_json(args, "node_loss", results)
+    c.write_json(args, "node_loss", results, tools=c.tool_summary(tools, results, "to_step"))
     return c.finish(0)
 
 

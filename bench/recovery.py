@@ -10,6 +10,12 @@ elastic-run runs under an ``elastic-master --event-log`` daemon on 127.0.0.1 (``
 recovery phases from the event log are compared with the benchmark's own timings (issue 19, check 2; the
 mapping: bench/phases.py). ``--no-event-log`` runs it ``--standalone`` instead, without the comparison.
 
+elastic-run-inprocess is elastic-run with the workload inside ``elastic.run`` (in-process recovery, issue
+17): rank 0 keeps its process, so "survivor PID unchanged" (the pid of rank 0's last ``start`` line before
+the kill equals that of its first one after) is true there; its ``start`` lines come at each formation of
+the group, so "worker up" is when the re-formed group called ``train``. Its target: a median kill -> first
+step <= 0.15 s.
+
     python bench/recovery.py                 # 5 runs of each tool, alternated
     python bench/recovery.py --runs 20       # issue 8's check
     python bench/recovery.py --smoke
@@ -29,6 +35,7 @@ from bench import common as c  # noqa: E402
 from bench import phases as ph  # noqa: E402
 
 TARGET_RATIO = 0.3
+INPROCESS_TARGET_S = 0.15  # issue 17: elastic-run-inprocess, median kill -> first step
 
 
 @dataclass
@@ -45,6 +52,7 @@ class Outcome:
     timeline: list | None = None  # [[seconds from the launch, step], ...] of rank 0 (bench/figures.py)
     phases: dict | None = None  # the recovery's phases from the master's event log (elastic-run)
     phase_check: list | None = None  # those against this run's own timings (bench.phases.compare)
+    survivor_pid_unchanged: bool | None = None  # rank 0 kept its process across the kill (None: unknown)
 
 
 def launch_argv(tool: c.Tool, ckpt: Path, step_time: float) -> list[str]:
@@ -122,6 +130,8 @@ def one_run(
             durations, checked = _phase_check(proc, log_path, start["restart"], t_kill, timeout)
         events = proc.events()
         before = [e["step"] for e in events if e["kind"] == "step" and e["rank"] == 0 and e["t"] < start["t"]]
+        # rank 0's process before the kill (its last start line) against its first start line after it
+        started = [e["pid"] for e in events if e["kind"] == "start" and e["rank"] == 0 and e["t"] < t_kill]
         lost = (max(before) if before else 0) - start["resumed"]
         return Outcome(
             tool.name,
@@ -136,6 +146,7 @@ def one_run(
             c.step_timeline(events, 0, t_launch),
             durations,
             checked,
+            started[-1] == start["pid"] if started else None,
         )
 
 
@@ -204,6 +215,7 @@ def report(tools: list[c.Tool], results: list[Outcome], runs: int, kill_step: in
                 c.Stat([r.to_init for r in ok if r.to_init is not None]).fmt(2),
                 c.Stat([float(r.lost) for r in ok]).fmt(0),
                 _counts([r.restarts for r in ok]),
+                c.pids_unchanged(mine),
             ]
         )
     out = [
@@ -220,6 +232,7 @@ def report(tools: list[c.Tool], results: list[Outcome], runs: int, kill_step: in
                 "kill -> pg init (s)",
                 "steps lost",
                 "restarts used (value: runs)",
+                "survivor PID unchanged",
             ],
             rows,
         ),
@@ -234,6 +247,15 @@ def report(tools: list[c.Tool], results: list[Outcome], runs: int, kill_step: in
             "",
             f"Ratio elastic-run / torchrun (median kill -> first step): **{c.ratio(el, base)}** "
             f"(target <= {TARGET_RATIO}x: {verdict}).",
+        ]
+    if c.INPROCESS_TOOL in medians:
+        inproc = medians[c.INPROCESS_TOOL]
+        verdict = "n/a" if inproc is None else ("met" if inproc <= INPROCESS_TARGET_S else "NOT met")
+        shown = "n/a" if inproc is None else f"{inproc:.3f}"
+        out += [
+            "",
+            f"Target {c.INPROCESS_TOOL} median kill -> first step <= {INPROCESS_TARGET_S:g} s (issue 17): "
+            f"{verdict} (median {shown} s).",
         ]
     out += c.before_after(medians, "torchrun", "median kill -> first step")
     out += phase_report(tools, results)
@@ -289,7 +311,9 @@ def phase_report(tools: list[c.Tool], results: list[Outcome]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = c.base_parser(__doc__.splitlines()[0], runs=5, tools=f"elastic-run,{c.EXEC_TOOL},torchrun")
+    p = c.base_parser(
+        __doc__.splitlines()[0], runs=5, tools=f"elastic-run,{c.INPROCESS_TOOL},{c.EXEC_TOOL},torchrun"
+    )
     p.add_argument("--kill-step", type=int, default=10, help="SIGKILL rank 1 once rank 0 completed this step")
     p.add_argument("--step-time", type=float, default=0.05, help="workload --step-time")
     p.add_argument("--timeout", type=float, default=90.0, help="seconds after the kill before giving up")
@@ -323,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     c.emit_report(
         args, "Worker-crash recovery", report(tools, results, args.runs, args.kill_step, args.timeout)
     )
-    c.write_json(args, "recovery", results)
+    c.write_json(args, "recovery", results, tools=c.tool_summary(tools, results, "to_step"))
     return c.finish(0)
 
 

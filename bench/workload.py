@@ -16,6 +16,12 @@ Output lines (stdout, flushed, parsed by ``bench/common.py``)::
 
 ``resumed`` is the step of the checkpoint this rank found (0 when none); after the process group is
 up, rank 0's step and weights are broadcast so that every rank continues from the same state.
+
+In-process mode (``BENCH_INPROCESS=1``, under elastic-run only): the same training inside
+``elastic.run(train, state)``, so that live workers keep their processes across a failure. ``elastic.run``
+forms the group (no ``init_process_group`` here) and re-forms it after each fault; ``train`` prints
+``start`` (with this process's pid: unchanged for a survivor) and ``init`` at every formation, ``resumed``
+being the step the ranks agreed on, and commits each step after its line. ``--pg-timeout`` does not apply.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 CKPT_NAME = "latest.pt"
+#: Set to 1 (by bench/common.py's elastic-run-inprocess tool) for the in-process mode.
+INPROCESS_ENV = "BENCH_INPROCESS"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,6 +98,48 @@ def save(ckpt_dir: Path, state: dict) -> None:
     os.replace(tmp, ckpt_dir / CKPT_NAME)  # readers see the old or the new file, never half of one
 
 
+def build(args: argparse.Namespace, state: dict | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model and its optimizer, from the checkpoint ``state`` when there is one."""
+    model = make_model(args.hidden, args.seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if state:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    return model, optimizer
+
+
+def train_step(
+    ddp: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    args: argparse.Namespace,
+    step: int,
+    rank: int,
+    world: int,
+) -> None:
+    """Compute step ``step`` + 1: this rank's share of the step's global batch, backward, optimizer step."""
+    if args.step_time:
+        time.sleep(args.step_time)
+    x, y = batch(step, args.batch_size, args.seed)
+    optimizer.zero_grad(set_to_none=True)
+    nn.functional.mse_loss(ddp(x[rank::world]), y[rank::world]).backward()
+    optimizer.step()
+
+
+def step_done(
+    ckpt_dir: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    rank: int,
+    world: int,
+    restart: str,
+) -> None:
+    """Rank 0 checkpoints the completed ``step``; every rank prints its line."""
+    if rank == 0:
+        save(ckpt_dir, {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    emit("step", step=step, world=world, rank=rank, restart=restart)
+
+
 def _agent_report():  # noqa: ANN202 - elastic.report.report, or None
     """``elastic.report.report`` under elastic-run; None elsewhere (torchrun never imports elastic)."""
     if not os.environ.get("ELASTIC_AGENT_SOCKET"):
@@ -108,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     state = None if args.init_only else load(ckpt_dir)
     resumed = int(state["step"]) if state else 0
+    if os.environ.get(INPROCESS_ENV) == "1" and not args.init_only:
+        return run_inprocess(args, ckpt_dir, state)
     emit("start", restart=restart, resumed=resumed, rank=rank, world=world, pid=os.getpid())
 
     kwargs = {"timeout": datetime.timedelta(seconds=args.pg_timeout)} if args.pg_timeout else {}
@@ -120,33 +172,51 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     report = _agent_report()
-    model = make_model(args.hidden, args.seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    if state:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    model, optimizer = build(args, state)
     # Rank 0's checkpoint rules: its step is broadcast here, its weights by DDP's constructor.
     step_t = torch.tensor([resumed], dtype=torch.int64)
     dist.broadcast(step_t, src=0)
     step = int(step_t.item())
     ddp = DistributedDataParallel(model)
-    loss_fn = nn.MSELoss()
     while step < args.steps:
-        if args.step_time:
-            time.sleep(args.step_time)
-        x, y = batch(step, args.batch_size, args.seed)
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(ddp(x[rank::world]), y[rank::world]).backward()
-        optimizer.step()
+        train_step(ddp, optimizer, args, step, rank, world)
         step += 1
-        if rank == 0:
-            save(ckpt_dir, {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()})
-        emit("step", step=step, world=world, rank=rank, restart=restart)
+        step_done(ckpt_dir, model, optimizer, step, rank, world, restart)
         if report is not None:
             report(step)
     dist.barrier()
     emit("done", step=step, rank=rank)
     dist.destroy_process_group()
+    return 0
+
+
+def run_inprocess(args: argparse.Namespace, ckpt_dir: Path, state: dict | None) -> int:
+    """The training loop inside ``elastic.run``: this process lives on when a peer or a node is lost."""
+    import elastic  # here only: the normal mode runs under torchrun, without the package
+
+    model, optimizer = build(args, state)
+
+    def train(world: elastic.World) -> int:
+        # elastic.run updated the environment for this round (TORCHELASTIC_RESTART_COUNT included).
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        rank, size = world.rank, world.world_size
+        emit("start", restart=restart, resumed=world.step, rank=rank, world=size, pid=os.getpid())
+        emit("init", restart=restart, rank=rank, world=size)  # elastic.run formed the group already
+        ddp = DistributedDataParallel(model)  # on this world's group: rebuilt at every formation
+        step = world.step
+        while step < args.steps:
+            train_step(ddp, optimizer, args, step, rank, size)
+            step += 1
+            step_done(ckpt_dir, model, optimizer, step, rank, size, restart)
+            world.commit(step)  # reports the step too; raises WorldChanged when a new round forms
+        dist.barrier()
+        emit("done", step=step, rank=rank)
+        return step
+
+    try:
+        elastic.run(train, {"model": model, "optimizer": optimizer}, step=int(state["step"]) if state else 0)
+    finally:
+        elastic.destroy_process_group()
     return 0
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+import time
 from collections.abc import Mapping
 
 import torch
@@ -59,12 +61,20 @@ def _timeout_from_env(environ: Mapping[str, str]) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def init_process_group(backend: str | None = None, timeout: datetime.timedelta | None = None) -> str:
+def init_process_group(
+    backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
+    *,
+    connect_timeout: datetime.timedelta | None = None,
+) -> str:
     """Join the default process group described by the launcher's environment.
 
     Args:
         backend: collective backend; ``None`` picks :func:`backend_for_device` for this machine.
         timeout: collective timeout; ``None`` reads ``ELASTIC_PG_TIMEOUT_S`` (seconds), default 300 s.
+        connect_timeout: how long forming the group may take (reaching rank 0's store, meeting every
+            rank); ``None``: ``timeout``. In-process recovery gives up on a new group sooner than on a
+            slow collective.
 
     Returns:
         The backend in use. Calling again once the group exists is a no-op returning its backend.
@@ -85,10 +95,44 @@ def init_process_group(backend: str | None = None, timeout: datetime.timedelta |
     if "nccl" in backend:
         # One GPU per local rank; setting it before init makes nccl and `.cuda()` use the right device.
         torch.cuda.set_device(local_rank)
+    if connect_timeout is None:
+        dist.init_process_group(
+            backend=backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout
+        )
+        return backend
+    store = _store(rank, world_size, connect_timeout)
+    # The prefix env:// adds: a rank that forms its group the usual way (a new process) meets this one.
+    prefixed = dist.PrefixStore("default_pg", store)
     dist.init_process_group(
-        backend=backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout
+        backend=backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout
     )
+    store.set_timeout(timeout)  # from now on the store serves the group's own waits
     return backend
+
+
+def _store(rank: int, world_size: int, connect_timeout: datetime.timedelta) -> dist.TCPStore:
+    """Rank 0 hosts the store at MASTER_ADDR:MASTER_PORT (torchrun's contract); the others connect."""
+    host, port = os.environ[c.MASTER_ADDR], int(os.environ[c.MASTER_PORT])
+    if rank != 0:
+        # torch retries a refused connection only after a 0.3-0.7 s back-off; rank 0 listens within ms.
+        _wait_for_listener(host, port, connect_timeout.total_seconds())
+    return dist.TCPStore(
+        host, port, world_size, is_master=rank == 0, timeout=connect_timeout, wait_for_workers=False
+    )
+
+
+def _wait_for_listener(host: str, port: int, timeout_s: float) -> None:
+    """Return once ``host:port`` accepts a connection, after ``timeout_s``, or on an error other than a
+    refusal (torch's own connect then reports it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=min(1.0, timeout_s)).close()
+            return
+        except ConnectionRefusedError:
+            time.sleep(0.01)  # a poll with a deadline: nothing to wait on for another process's listen()
+        except OSError:
+            return
 
 
 def destroy_process_group() -> None:

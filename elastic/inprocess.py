@@ -58,6 +58,9 @@ T = TypeVar("T")
 
 #: Default seconds between the agent's pause and the release of a group still in a collective.
 DEFAULT_LEAVE_GRACE_S = 0.1
+#: Default seconds a re-formed group may take to form (every rank reached the new store) before in-process
+#: recovery gives up and the agent falls back to restarting processes.
+DEFAULT_REFORM_TIMEOUT_S = 60.0
 
 
 class WorldChanged(Exception):  # noqa: N818 - it is news, not an error
@@ -96,6 +99,11 @@ class World:
         return self.rank == 0
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:500] if text else type(exc).__name__
+
+
 def _env_int(name: str, default: int = 0) -> int:
     value = os.environ.get(name)
     return int(value) if value else default
@@ -109,6 +117,7 @@ def run(
     backend: str | None = None,
     timeout_s: float | None = None,
     leave_grace_s: float = DEFAULT_LEAVE_GRACE_S,
+    reform_timeout_s: float = DEFAULT_REFORM_TIMEOUT_S,
 ) -> T:
     """Run ``train`` in this process until it returns, re-forming the group around it after each fault.
 
@@ -123,12 +132,16 @@ def run(
             the next round after it paused) before it gives up; None: as long as its agent is connected
             (an agent that dies or stops the worker closes the connection, which ends the wait).
         leave_grace_s: how long a pause waits for the loop to reach a commit before it releases the group.
+        reform_timeout_s: how long re-forming the group after a fault may take; past it this process ends
+            and the agent falls back to restarting processes.
 
     Returns:
         What ``train`` returned. The process group is left formed (destroy it when done).
     """
-    if (timeout_s is not None and timeout_s <= 0) or leave_grace_s < 0:
-        raise ValueError("timeout_s must be > 0 (or None) and leave_grace_s >= 0")
+    if (timeout_s is not None and timeout_s <= 0) or leave_grace_s < 0 or reform_timeout_s <= 0:
+        raise ValueError(
+            "timeout_s and reform_timeout_s must be > 0 (timeout_s may be None), leave_grace_s >= 0"
+        )
     if backend is None:
         import torch
 
@@ -138,7 +151,7 @@ def run(
     committed = Committed(state, step)
     recovering = False
     while True:
-        world = _form(control, committed, link, backend, recovering)
+        world = _form(control, committed, link, backend, reform_timeout_s if recovering else None)
         try:
             return train(world)
         except WorldChanged:
@@ -147,9 +160,7 @@ def run(
             if link is None:
                 raise
             if not link.pausing.is_set():
-                link.send(
-                    wire.BROKEN, error=str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__
-                )
+                link.send(wire.BROKEN, error=_first_line(exc))
                 if not link.wait_pause(timeout_s):
                     raise  # nobody opens a round: not a broken world but this worker's own error
             link.left_step()
@@ -160,12 +171,19 @@ def run(
 
 
 def _form(
-    control: GroupControl, committed: Committed, link: AgentLink | None, backend: str, recovering: bool
+    control: GroupControl, committed: Committed, link: AgentLink | None, backend: str, reform_s: float | None
 ) -> World:
-    """Form this round's group from the environment and agree on the committed step."""
+    """Form this round's group from the environment and agree on the committed step; ``reform_s``: after
+    a fault, how long that may take (the agent then falls back to restarting processes)."""
     began = time.monotonic()
-    control.form()
-    decided = agree(committed)
+    recovering = reform_s is not None
+    try:
+        control.form(reform_s)
+        decided = agree(committed)
+    except Exception as exc:
+        if link is not None and recovering:
+            link.send(wire.FAILED, error=_first_line(exc))
+        raise
     round_number = _env_int(contract.ROUND)
     if link is not None and recovering:
         link.send(wire.RESUMED, round=round_number)

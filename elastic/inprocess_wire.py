@@ -8,7 +8,8 @@ worker → agent
     ``hello {local_rank, pid}``: this worker recovers in process;
     ``broken {error}``: a collective failed (a peer vanished): a suspicion the agent reports;
     ``paused {round, step}``: the worker left the round's process group and holds the state of ``step``;
-    ``resumed {round}``: the worker re-formed the group of ``round`` and trains again.
+    ``resumed {round}``: the worker re-formed the group of ``round`` and trains again;
+    ``failed {error}``: re-forming failed; the worker exits and the agent falls back to process restarts.
 
 agent → worker
     ``pause {round}``: leave the current step (a new round is forming);
@@ -26,9 +27,9 @@ from typing import Any
 
 from elastic.errors import ProtocolError
 
-HELLO, BROKEN, PAUSED, RESUMED = "hello", "broken", "paused", "resumed"
+HELLO, BROKEN, PAUSED, RESUMED, FAILED = "hello", "broken", "paused", "resumed", "failed"
 PAUSE, RESUME = "pause", "resume"
-WORKER_OPS = frozenset({HELLO, BROKEN, PAUSED, RESUMED})
+WORKER_OPS = frozenset({HELLO, BROKEN, PAUSED, RESUMED, FAILED})
 AGENT_OPS = frozenset({PAUSE, RESUME})
 
 #: A message longer than this is a protocol error (an environment is a few KB).

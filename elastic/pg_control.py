@@ -81,7 +81,7 @@ class DistApi(Protocol):
     """The torch.distributed calls the controls make (a fake in the unit tests)."""
 
     def is_initialized(self) -> bool: ...
-    def init(self, backend: str) -> None: ...
+    def init(self, backend: str, connect_timeout_s: float | None) -> None: ...
     def abort(self) -> None: ...
     def destroy(self) -> None: ...
 
@@ -94,10 +94,13 @@ class TorchDist:
 
         return dist.is_available() and dist.is_initialized()
 
-    def init(self, backend: str) -> None:
+    def init(self, backend: str, connect_timeout_s: float | None) -> None:
+        import datetime
+
         from elastic.distributed import init_process_group
 
-        init_process_group(backend)
+        connect = None if connect_timeout_s is None else datetime.timedelta(seconds=connect_timeout_s)
+        init_process_group(backend, connect_timeout=connect)
 
     def abort(self) -> None:
         from torch.distributed import distributed_c10d
@@ -127,12 +130,13 @@ class GroupControl:
     _group_sockets: dict[int, str] = field(default_factory=dict)
     _aborted: bool = False
 
-    def form(self) -> None:
-        """Initialise the default group from the environment (RANK, WORLD_SIZE, MASTER_ADDR...)."""
+    def form(self, connect_timeout_s: float | None = None) -> None:
+        """Initialise the default group from the environment (RANK, WORLD_SIZE, MASTER_ADDR...); forming it
+        may take ``connect_timeout_s`` (None: the collective timeout)."""
         if self.backend == "nccl":
             os.environ[NCCL_ASYNC_ERROR_HANDLING] = NCCL_CLEANUP_ONLY
         before = set(self.links().values())
-        self.api.init(self.backend)
+        self.api.init(self.backend, connect_timeout_s)
         self._aborted = False
         self._group_sockets = {fd: link for fd, link in self.links().items() if link not in before}
 

@@ -13,6 +13,9 @@ set -euo pipefail
 # Add a line here when a test starts to need a system tool (tests/support/tools.py: require_tool()).
 TOOLS="
 unshare util-linux
+nsenter util-linux
+nft nftables
+ip iproute2
 prometheus prometheus
 promtool prometheus
 tmux tmux

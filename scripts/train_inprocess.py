@@ -82,12 +82,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=10,
         help="checkpoint every N steps for a fallback to process restart (default: %(default)s)",
     )
+    parser.add_argument(
+        "--reform-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a re-formed group may take before the agent falls back to restarting processes "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--final-hash", metavar="PATH", help="rank 0 writes the final weights' SHA-256 here")
     parser.add_argument("--final-weights", metavar="PATH", help="rank 0 writes the final weights here")
     parser.add_argument("--sample-log", metavar="DIR", help="each rank logs the samples of its steps in DIR")
     args = parser.parse_args(argv)
-    if args.steps < 0 or args.ckpt_every < 1 or args.step_time < 0:
-        parser.error("--steps and --step-time must be >= 0, --ckpt-every >= 1")
+    if args.steps < 0 or args.ckpt_every < 1 or args.step_time < 0 or args.reform_timeout <= 0:
+        parser.error("--steps and --step-time must be >= 0, --ckpt-every >= 1, --reform-timeout > 0")
     if args.batch_size < 1 or args.num_samples < args.batch_size:
         parser.error("--batch-size must be >= 1 and --num-samples at least --batch-size")
     return args
@@ -143,10 +150,10 @@ def main(argv: list[str] | None = None) -> None:
                     log(
                         f"step={done} loss={loss_sum.item() / batch.global_size:.4f} world={world.world_size}"
                     )
-                if args.ckpt_dir and (done % args.ckpt_every == 0 or done == args.steps):
-                    elastic.save(
-                        {n: o.state_dict() for n, o in state.items()}, done, args.ckpt_dir, rank=world.rank
-                    )
+                if saving and (done % args.ckpt_every == 0 or done == args.steps):
+                    states = {n: o.state_dict() for n, o in state.items()}
+                    persist = bool(args.ckpt_dir)  # memory only without a folder
+                    elastic.save(states, done, args.ckpt_dir or None, rank=world.rank, persist=persist)
                 if args.step_time:
                     time.sleep(args.step_time)
         finally:
@@ -162,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         return done
 
     try:
-        elastic.run(train, state, step=step)
+        elastic.run(train, state, step=step, reform_timeout_s=args.reform_timeout)
     finally:
         elastic.destroy_process_group()
 

@@ -16,7 +16,7 @@ from bench_runs import run_bench  # noqa: E402
 from bench.run_all import update_section  # noqa: E402
 
 SMOKE_TOOLS = {
-    "node_loss": ["--tools", "elastic-run"],
+    "node_loss": ["--tools", "elastic-run,elastic-run-inprocess"],
     "scale_up": ["--tools", "elastic-run,torchrun-noshare"],
 }
 

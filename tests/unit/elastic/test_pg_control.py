@@ -21,7 +21,7 @@ class FakeDist:
     def is_initialized(self) -> bool:
         return self.formed
 
-    def init(self, backend: str) -> None:
+    def init(self, backend: str, connect_timeout_s: float | None) -> None:
         self.calls.append(f"init {backend}")
         self.formed = True
 
@@ -75,8 +75,8 @@ def test_gloo_release_wakes_a_receive_blocked_on_a_silent_peer_and_spares_other_
     peers: list[socket.socket] = []
 
     class MeshDist(FakeDist):
-        def init(self, backend: str) -> None:  # "gloo connects its full mesh" while the group forms
-            super().init(backend)
+        def init(self, backend: str, connect_timeout_s: float | None) -> None:  # gloo's full mesh forms
+            super().init(backend, connect_timeout_s)
             group_socks.append(socket.create_connection(("127.0.0.1", port)))
             peers.append(listener.accept()[0])
 
