@@ -82,19 +82,27 @@ class InProcessHub:
     def pause(
         self, pids: list[int], round_number: int, timeout_s: float, alive: Callable[[int], bool]
     ) -> str | None:
-        """Ask ``pids`` to leave their step and wait until each paused or exited (``alive`` says which
-        still run). None when they all did within ``timeout_s``, else why not."""
+        """:meth:`send_pause`, then :meth:`wait_paused`."""
+        self.send_pause(pids, round_number)
+        return self.wait_paused(pids, timeout_s, alive)
+
+    def send_pause(self, pids: list[int], round_number: int) -> None:
+        """Ask ``pids`` to leave their step: a new round is forming."""
         with self._cond:
             workers = [self._workers[pid] for pid in pids if pid in self._workers]
-            for w in workers:
-                w.paused_step, w.resumed_round = None, None
         for w in workers:
             w.send(wire.PAUSE, round=round_number)
+
+    def wait_paused(self, pids: list[int], timeout_s: float, alive: Callable[[int], bool]) -> str | None:
+        """Wait until each of ``pids`` paused or exited (``alive`` says which still run). None when they
+        all did within ``timeout_s``, else why not."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
                 waiting = [
-                    w for w in workers if w.paused_step is None and alive(w.pid) and w.pid in self._workers
+                    self._workers[pid]
+                    for pid in pids
+                    if pid in self._workers and self._workers[pid].paused_step is None and alive(pid)
                 ]
                 if not waiting:
                     return None

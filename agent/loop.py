@@ -38,7 +38,7 @@ from agent.errors import AgentError
 from agent.events import event_log_for
 from agent.heartbeats import HeartbeatThread, heartbeat_request
 from agent.inprocess_hub import InProcessHub
-from agent.inprocess_steps import broken_cause, pause_workers, start_or_resume
+from agent.inprocess_steps import InProcessSteps
 from agent.loop_state import NodeView
 from agent.machine import CHECK_TIMEOUT_S, AgentMachine, MachineConfig
 from agent.master_link import LONG_POLL_S, CallFailed, MasterLink
@@ -92,8 +92,8 @@ class ElasticAgent:
         # One queue for every thread's events; its put() is safe in signal handlers.
         self.events: queue.SimpleQueue[ev.AgentEvent] = queue.SimpleQueue()
         # Workers run by elastic.inprocess.run connect here: they keep their processes across rounds.
-        self.inprocess = InProcessHub(channel.folder, self._on_broken)
-        self.worker_env[INPROCESS_SOCKET] = self.inprocess.path
+        hub = InProcessHub(channel.folder, self._on_broken)
+        self.worker_env[INPROCESS_SOCKET] = hub.path
         self.machine = AgentMachine(
             MachineConfig(
                 nproc=settings.nproc,
@@ -107,6 +107,7 @@ class ElasticAgent:
         self.failure_summary: str | None = None  # the job's root-cause summary when it failed
         self.host = settings.local_addr or "127.0.0.1"
         self.event_log = event_log_for(settings.event_log_handler, settings.node_id)
+        self.inprocess = InProcessSteps(hub, group, settings.stop_grace_s, self.event_log)
         self.tls_trouble = TLSTrouble(self.event_log)  # a master's certificate that stopped verifying
         self.link = MasterLink(
             settings, client, self.tls_trouble, self.events.put, self._generation, self._closing
@@ -137,7 +138,7 @@ class ElasticAgent:
                 self.machine.generation += 1  # every thread's events are stale from now on
                 self._cancel_check_timer()
                 self.group.stop(self.settings.stop_grace_s)
-                self.inprocess.close()
+                self.inprocess.hub.close()
 
     def _generation(self) -> int:
         return self.machine.generation
@@ -216,8 +217,8 @@ class ElasticAgent:
         root = health.stack_root(s, self.group)
         spec = training_spec(s, assignment, self.channel.path, self.worker_env, action.reset_ckpt, root)
         self.channel.reset(s.nproc)
-        pids, kept, started_at = start_or_resume(
-            self.group, self.inprocess, spec, assignment.round, self._exit_relay(action.generation)
+        pids, kept, started_at = self.inprocess.start(
+            spec, assignment.round, self._exit_relay(action.generation)
         )
         restart, ranks = assignment.restart_count, spec.global_ranks
         self.event_log.record(
@@ -237,6 +238,7 @@ class ElasticAgent:
             assignment.nnodes,
         )
         self._check_file = health.check_result_file(self.group, assignment)
+        self.inprocess.settle(keep=False)  # a node check runs in a process of its own
         self.channel.reset(1)
         setup_failed: ev.CheckDone | None = None
         try:
@@ -260,11 +262,9 @@ class ElasticAgent:
         self._cancel_check_timer()
         self.view = NodeView(state=NodeState.WAITING)
         running = self.group.running()
-        if action.rejoin and pause_workers(
-            self.group, self.inprocess, running, self.assignment, self.settings, self.event_log
-        ):
-            return
-        self.inprocess.forget(self.group.pids)
+        if action.rejoin and self.inprocess.pause(running, self.assignment):
+            return  # they leave their step while the node joins the next round
+        self.inprocess.stopped()
         self.group.stop(self.settings.stop_grace_s)
         if self.keeper is not None:
             # A worker killed mid-save left a checkpoint-sized temp file; no worker writes now.
@@ -285,8 +285,8 @@ class ElasticAgent:
         )
 
     def _report_broken(self, action: ev.ReportBroken) -> ev.AgentEvent:
-        info, seen_at = broken_cause(
-            self.group, self.assignment, action.local_rank, action.message, action.seen_at
+        info, seen_at = self.inprocess.broken_cause(
+            self.assignment, action.local_rank, action.message, action.seen_at
         )
         return self._report_failure(action.round, info, "crash", seen_at)
 
