@@ -6,7 +6,6 @@ Opt in by handing the training function and its state to :func:`run`::
     sampler = elastic.ElasticSampler(dataset, global_batch_size=512, drop_last=True)
 
     def train(world: elastic.World) -> None:
-        sampler.reshard(world.world_size, world.rank)   # this world's share of each step
         ddp = DistributedDataParallel(model)             # wrapped on this world's group
         step = world.step                                # the newest committed step
         for batch in sampler.steps():
@@ -125,7 +124,8 @@ def run(
         train: called with the current :class:`World` each time a group formed; returns when training is
             done. It must call :meth:`World.commit` after every step and rebuild what depends on the
             group (DDP, the sampler's share, data-loader iterators) at each call.
-        state: the objects whose ``state_dict()`` is the training state (model, optimizer, sampler...).
+        state: the objects whose ``state_dict()`` is the training state (model, optimizer, sampler...);
+            an :class:`~elastic.sampler.ElasticSampler` among them is re-sharded to each new world.
         step: the step ``state`` holds at start (e.g. what ``elastic.load`` restored).
         backend: the collective backend; by default nccl with a GPU, else gloo.
         timeout_s: how long a live worker waits for the agent's word (a pause after its collective broke,
@@ -152,6 +152,7 @@ def run(
     recovering = False
     while True:
         world = _form(control, committed, link, backend, reform_timeout_s if recovering else None)
+        _reshard(state, world)
         try:
             return train(world)
         except WorldChanged:
@@ -214,6 +215,14 @@ def _form(
             sent,
         )
     return world
+
+
+def _reshard(state: Mapping[str, Stateful], world: World) -> None:
+    """Deal the next steps of every sampler in ``state`` (``ElasticSampler.reshard``) to this world."""
+    for obj in state.values():
+        reshard = getattr(obj, "reshard", None)
+        if callable(reshard):
+            reshard(world.world_size, world.rank)
 
 
 def _leave(control: GroupControl, committed: Committed, link: AgentLink, timeout_s: float | None) -> None:

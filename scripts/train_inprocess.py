@@ -123,7 +123,6 @@ def main(argv: list[str] | None = None) -> None:
     loss_fn = nn.MSELoss(reduction="sum")
 
     def train(world: elastic.World) -> int:
-        sampler.reshard(world.world_size, world.rank)
         ddp_model = DistributedDataParallel(model)  # on this world's group
         pid = os.getpid()
         log(
