@@ -49,7 +49,7 @@ from elastic.distributed import backend_for_device
 from elastic.inprocess_link import AgentGone, AgentLink
 from elastic.inprocess_state import Committed, Stateful, agree
 from elastic.pg_control import GroupControl
-from elastic.report import report
+from elastic.report import rearm_stack_dump, report
 
 log = logging.getLogger(__name__)
 
@@ -235,3 +235,4 @@ def _leave(control: GroupControl, committed: Committed, link: AgentLink, timeout
     except (AgentGone, TimeoutError) as exc:
         raise RuntimeError(f"in-process recovery gave up: {exc}") from exc
     os.environ.update({str(k): str(v) for k, v in resume["env"].items()})
+    rearm_stack_dump()  # a hang verdict reads this round's stack file

@@ -70,6 +70,23 @@ def _arm_stack_dump() -> None:
         _stack_file = None  # no dump then; reporting progress must never fail
 
 
+def rearm_stack_dump() -> None:
+    """A worker that lives on into a new round (in-process recovery) dumps its stack to the file the
+    agent named for that round; nothing changes when none was armed."""
+    global _stack_file
+    path = os.environ.get(STACK_FILE_ENV)
+    old = _stack_file
+    if old is None or not path or old.name == path:
+        return
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        _stack_file = open(path, "w")  # noqa: SIM115 - must stay open for faulthandler
+        faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+    except (OSError, ValueError, RuntimeError):
+        return  # the old file keeps the dump; reporting must never fail
+    old.close()
+
+
 def add_comm_wait(seconds: float) -> None:
     """Add time that a collective waited for other ranks to the current step (see elastic.track_ddp)."""
     global _comm_wait_s, _tracking

@@ -44,3 +44,28 @@ def test_the_first_report_arms_a_stack_dump_only_when_the_agent_names_a_file(mon
     report_module._arm_stack_dump()
     assert path.exists() and registered and registered[0]["all_threads"] is True
     report_module._stack_file.close()
+
+
+def test_a_worker_that_lives_on_dumps_its_stack_to_the_new_rounds_file(tmp_path, monkeypatch) -> None:
+    import faulthandler
+    import importlib
+    import os
+    import signal
+
+    rep = importlib.import_module("elastic.report")  # ``elastic.report`` is the function
+
+    first, second = tmp_path / "round1" / "stack", tmp_path / "round2" / "stack"
+    monkeypatch.setattr(rep, "_stack_file", None)
+    monkeypatch.setenv(rep.STACK_FILE_ENV, str(first))
+    monkeypatch.setattr(signal, "getsignal", lambda sig: signal.SIG_DFL)
+    rep._arm_stack_dump()
+    try:
+        monkeypatch.setenv(rep.STACK_FILE_ENV, str(second))
+        rep.rearm_stack_dump()
+        os.kill(os.getpid(), rep.STACK_SIGNAL)
+        assert "test_a_worker_that_lives_on" in second.read_text()
+        assert first.read_text() == ""
+    finally:
+        faulthandler.unregister(rep.STACK_SIGNAL)
+        if rep._stack_file is not None:
+            rep._stack_file.close()
