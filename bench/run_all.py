@@ -32,6 +32,7 @@ TITLE = "# Benchmarks: elastic-run vs torchrun"
 #: (section key, heading, script) in the order they run and appear.
 BENCHES = [
     ("recovery", "Worker-crash recovery", "recovery.py"),
+    ("inprocess_exact", "In-process recovery: exact", "inprocess_exact.py"),
     ("node_loss", "Node loss", "node_loss.py"),
     ("scale_up", "Scale-up admission", "scale_up.py"),
     ("rendezvous", "Rendezvous latency", "rendezvous.py"),
