@@ -259,13 +259,21 @@ class Launched:
 
     def kill_tree(self) -> float:
         """SIGKILL the launcher and every descendant at once (a node dying); returns the time of the kill."""
+        return self.signal_tree(signal.SIGKILL)
+
+    def signal_tree(self, sig: signal.Signals) -> float:
+        """Send ``sig`` to the launcher and every descendant at once (SIGSTOP: a node that vanishes with
+        its sockets open; :meth:`kill` still ends the stopped processes); returns the time it was sent."""
         self.track()
         targets = [self.ident, *self.known.values()]
         t = time.time()
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)  # its own session: the group id is our child's PID
+            os.killpg(self.pid, sig)  # its own session: the group id is our child's PID
         for ident in targets:
-            sigkill(ident)
+            proc = same_process(ident)
+            if proc is not None:
+                with contextlib.suppress(psutil.Error):
+                    proc.send_signal(sig)
         return t
 
     def reap(self, timeout: float = 10.0) -> int | None:

@@ -1,6 +1,8 @@
 """Node loss (issue 7 item 2, issue 8 target): 2 fake nodes x 1 worker on this machine; SIGKILL one whole
 node (its launcher's process group and every descendant, as if the machine died); time until the survivor
-completes a step at world size 1.
+completes a step at world size 1. With ``--fault sigstop`` the whole node gets SIGSTOP instead: it vanishes
+without closing its sockets, so only the master's heartbeat timeout tells it is gone, and a survivor
+blocked in a collective with it must be released; the stopped processes are SIGKILLed when the run ends.
 
 elastic-run: an ``elastic-master`` daemon (default settings: heartbeat 1 s, timeout 4 s, last call 2 s) and
 two agents with distinct ``--node-id``. torchrun: ``--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT
@@ -12,16 +14,19 @@ survivor was doing (its last lines).
 elastic-run-inprocess is elastic-run with the workload inside ``elastic.run`` (in-process recovery, issue
 17): the survivor's worker keeps its process, so "survivor PID unchanged" (the pid of the survivor's last
 ``start`` line before the kill equals that of its first one after) is true there, and its old worker is
-never gone. Its target: kill -> survivor step at world 1 median <= 1 s, max <= 1.5 s.
+never gone. Its target: kill -> survivor step at world 1 median <= 1 s, max <= 1.5 s; with ``--fault
+sigstop``: stop -> survivor step at world 1 median <= heartbeat timeout + 1 s (5 s with the defaults).
 
     python bench/node_loss.py                # 3 runs of each tool, alternated
     python bench/node_loss.py --smoke
+    python bench/node_loss.py --fault sigstop   # the node vanishes (SIGSTOP) instead of dying
     python bench/node_loss.py --json node_loss.json   # also every run as JSON (bench/figures.py)
 """
 
 from __future__ import annotations
 
 import re
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +38,9 @@ from bench import common as c  # noqa: E402
 
 HEARTBEAT_TIMEOUT_S = 4.0  # the master's default, which the target is relative to
 INPROCESS_TARGET_S = (1.0, 1.5)  # issue 17: elastic-run-inprocess, median and max kill -> step at world 1
+# elastic-run-inprocess under --fault sigstop: median stop -> step at world 1 <= heartbeat timeout + this.
+INPROCESS_STOP_MARGIN_S = 1.0
+FAULTS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
 # Lines of the survivor's log worth quoting when it does not recover (what it was waiting on).
 _NOTABLE = re.compile(
     r"(Error\b|error:|timed out|timeout|Connection closed|Connection reset|declared dead|round_opened|"
@@ -52,6 +60,7 @@ class Outcome:
     lost: int | None = None
     restarts: int | None = None  # TORCHELASTIC_RESTART_COUNT of the survivor's new worker
     survivor_pid_unchanged: bool | None = None  # the survivor's worker kept its process (None: unknown)
+    fault: str = "sigkill"  # what node 2 got: sigkill (it died) or sigstop (it vanished, sockets open)
 
 
 def notable_lines(text: str, limit: int = 6) -> list[str]:
@@ -70,8 +79,15 @@ def notable_lines(text: str, limit: int = 6) -> list[str]:
 
 
 def one_run(tool: c.Tool, folder: Path, args) -> Outcome:
+    outcome = _one_run(tool, folder, args)
+    outcome.fault = args.fault
+    return outcome
+
+
+def _one_run(tool: c.Tool, folder: Path, args) -> Outcome:
     folder.mkdir(parents=True, exist_ok=True)
     worker = ["--ckpt-dir", folder / "ckpt", "--step-time", args.step_time]
+    # The group's close SIGKILLs every process it started and every descendant it saw (stopped ones too).
     with c.Group(folder) as group:
         cluster = c.Cluster(tool, group, "1:2", worker, rdzv_conf=args.torchrun_rdzv_conf)
         if not cluster.start():
@@ -88,8 +104,9 @@ def one_run(tool: c.Tool, folder: Path, args) -> Outcome:
         survivor.track()
         starts = [e for e in survivor.events() if e["kind"] == "start"]
         old_worker = survivor.known.get(starts[-1]["pid"]) if starts else None
-        t_kill = victim.kill_tree()
-        victim.reap(5)
+        t_kill = victim.signal_tree(FAULTS[args.fault])
+        if args.fault == "sigkill":
+            victim.reap(5)  # a stopped node never exits: it is SIGKILLed below, once measured
         gone: list[float] = []
 
         def tick() -> None:
@@ -101,18 +118,24 @@ def one_run(tool: c.Tool, folder: Path, args) -> Outcome:
             return c.first(survivor.events(), kind="step", world=1, t=lambda t: t > t_kill)
 
         step = c.wait_until(at_world_1, args.timeout, tick=tick)
-        events = survivor.events()
+        # The logs as they were at the end of the wait: not what the survivor said once the stopped node
+        # was SIGKILLed (its sockets reset) below.
+        survivor_log = survivor.output()
+        events, victim_events = c.parse_events(survivor_log), victim.events()
+        survivor_alive = survivor.alive()
+        if args.fault == "sigstop":
+            victim.kill()  # SIGKILL works on stopped processes: nothing of the vanished node is left
         start = c.first(events, kind="start", t=lambda t: t > t_kill)
         # The last step the job completed before the kill, as either node printed it.
-        both = events + victim.events()
+        both = events + victim_events
         last_before = max((e["step"] for e in both if e["kind"] == "step" and e["t"] < t_kill), default=0)
         failed = gone[0] - t_kill if gone else None
         # One worker per node: the survivor's log holds its lines only, whichever rank it had.
         same_pid = start["pid"] == starts[-1]["pid"] if start and starts else None
         if not step:
-            state = "survivor exited" if not survivor.alive() else "survivor still running"
+            state = "survivor still running" if survivor_alive else "survivor exited"
             last = [e for e in events if e["t"] > t_kill]
-            tail = "; ".join(notable_lines(survivor.output())) or "no error lines"
+            tail = "; ".join(notable_lines(survivor_log)) or "no error lines"
             what = f"{last[-1]['kind']} at +{last[-1]['t'] - t_kill:.1f}s" if last else "no worker output"
             return Outcome(
                 tool.name,
@@ -157,18 +180,20 @@ def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
             ]
         )
     target = HEARTBEAT_TIMEOUT_S + 2
+    fault, what = fault_words(args.fault)
     out = [
-        f"2 fake nodes x 1 worker, `--nnodes 1:2`; node 2 (its launcher and all its processes) SIGKILLed "
+        f"2 fake nodes x 1 worker, `--nnodes 1:2`; node 2 (its launcher and all its processes) {fault} "
         f"after {args.steps_before} steps at world size 2; {args.runs} run(s) of each tool, alternated. "
-        f"Seconds from the kill; no step at world size 1 within {args.timeout:g} s counts as not recovered.",
+        f"Seconds from the {what}; no step at world size 1 within {args.timeout:g} s counts as not "
+        "recovered.",
         "",
         c.table(
             [
                 "tool",
                 "recovered",
-                "kill -> survivor step at world 1 (s)",
-                "kill -> survivor's old worker gone (s)",
-                "kill -> survivor's new worker up (s)",
+                f"{what} -> survivor step at world 1 (s)",
+                f"{what} -> survivor's old worker gone (s)",
+                f"{what} -> survivor's new worker up (s)",
                 "steps lost",
                 "restart count after",
                 "survivor PID unchanged",
@@ -196,12 +221,39 @@ def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
             + ("" if tr is not None else " (torchrun never recovered within the timeout)")
         ]
     if c.INPROCESS_TOOL in stats:
-        out += inprocess_target(stats[c.INPROCESS_TOOL])
-    out += c.before_after(medians, "torchrun", "median kill -> survivor step at world 1")
+        if args.fault == "sigstop":
+            out += inprocess_stop_target(stats[c.INPROCESS_TOOL])
+        else:
+            out += inprocess_target(stats[c.INPROCESS_TOOL])
+    out += c.before_after(medians, "torchrun", f"median {what} -> survivor step at world 1")
     bad = [r for r in results if not r.recovered]
     if bad:
         out += ["", "Runs that did not recover:"] + [f"- {r.tool}: {r.note}" for r in bad]
     return "\n".join(out)
+
+
+def fault_words(fault: str) -> tuple[str, str]:
+    """How the report says what node 2 got, and the word for that moment in its columns."""
+    if fault == "sigstop":
+        return (
+            "SIGSTOPped (it vanishes: its sockets stay open, so only the master's heartbeat timeout of "
+            f"{HEARTBEAT_TIMEOUT_S:g} s tells it is gone; its processes are SIGKILLed when the run ends)",
+            "stop",
+        )
+    return "SIGKILLed", "kill"
+
+
+def inprocess_stop_target(stat: c.Stat) -> list[str]:
+    """The verdict of elastic-run-inprocess when the node vanishes (SIGSTOP): median stop -> survivor step
+    at world 1 <= the heartbeat timeout + 1 s (the survivor's blocked collective released in time)."""
+    target = HEARTBEAT_TIMEOUT_S + INPROCESS_STOP_MARGIN_S
+    verdict = "n/a" if stat.median is None else ("met" if stat.median <= target else "NOT met")
+    worst = f"{max(stat.values):.2f}" if stat.values else "n/a"
+    return [
+        "",
+        f"Target {c.INPROCESS_TOOL} median stop -> survivor step at world 1 <= heartbeat timeout + "
+        f"{INPROCESS_STOP_MARGIN_S:g} s = {target:g} s: {verdict} (median {stat.fmt(2)} s, max {worst} s).",
+    ]
 
 
 def inprocess_target(stat: c.Stat) -> list[str]:
@@ -227,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="seconds after the kill before giving up")
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds to reach world size 2")
     p.add_argument("--torchrun-rdzv-conf", default="", help="extra torchrun --rdzv-conf items (k=v,...)")
+    p.add_argument(
+        "--fault",
+        choices=sorted(FAULTS),
+        default="sigkill",
+        help="what node 2 gets: sigkill (it dies, its sockets close) or sigstop (it vanishes with its "
+        "sockets open until the heartbeat timeout; SIGKILLed at the end of the run) (default %(default)s)",
+    )
     c.add_json_option(p)
     args = p.parse_args(argv)
     if args.smoke:
@@ -235,12 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with c.workdir(args.workdir) as root:
         for i, tool in c.alternate(tools, args.runs):
-            c.log(f"node-loss run {i + 1}/{args.runs}: {tool.name}")
+            c.log(f"node-loss run {i + 1}/{args.runs} ({args.fault}): {tool.name}")
             r = one_run(tool, root / f"run{i}-{tool.name}", args)
             c.log(f"  -> {r}")
             results.append(r)
             c.cleanup(c.log)
-    c.emit_report(args, "Node loss", report(tools, results, args))
+    title = "Node loss" if args.fault == "sigkill" else "Node loss: the node vanishes (SIGSTOP)"
+    c.emit_report(args, title, report(tools, results, args))
     c.write_json(args, "node_loss", results, tools=c.tool_summary(tools, results, "to_step"))
     return c.finish(0)
 

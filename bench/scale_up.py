@@ -10,9 +10,17 @@ instead of 30 s; the admission itself closes at max nodes and does not wait for 
 A run with no step at world size 2 within --timeout seconds of the new node's start is recorded as
 "not admitted", with what the nodes were doing.
 
+What the running node pays: "node 1 paused", the same definition for every tool, from node 1's own step
+lines: its last step at world size 1 -> its first step at world size 2 (the time it did not train).
+elastic-run-inprocess is elastic-run with the workload inside ``elastic.run`` (in-process recovery, issue
+17): node 1's worker keeps its process when node 2 joins (its ``start`` line at world 2 has the pid of its
+last one at world 1: "node 1 PID unchanged") and node 2's rank gets the state from node 1, in memory. Its
+target (issue 17's "node joins" row): node 1 paused, median <= 0.2 s.
+
     python bench/scale_up.py                 # 3 runs of each tool, alternated
     python bench/scale_up.py --runs 20       # issue 8's check (plain torchrun: 3 runs, --torchrun-runs)
     python bench/scale_up.py --smoke
+    python bench/scale_up.py --json scale_up.json   # also every run as JSON, with a per-tool summary
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from bench import common as c  # noqa: E402
 from bench.node_loss import notable_lines  # noqa: E402
 
 TARGET_RATIO = 0.5
+INPROCESS_PAUSE_TARGET_S = 0.2  # issue 17: elastic-run-inprocess, median node 1 paused when node 2 joins
 
 
 @dataclass
@@ -38,6 +47,14 @@ class Outcome:
     to_start: float | None = None  # new node's start -> its worker of the world-2 round started
     to_step: float | None = None  # new node's start -> its first step at world 2
     pause: float | None = None  # old node: last step at world 1 -> first step at world 2
+    # The old node's worker kept its process: the pid of its last ``start`` before node 2's start is that of
+    # its first ``start`` at world 2 (None: unknown). ``survivor`` as in bench/common.py's tool_summary.
+    survivor_pid_unchanged: bool | None = None
+
+    @property
+    def recovered(self) -> bool:
+        """Admitted, as bench/common.py's tool_summary counts it."""
+        return self.admitted
 
 
 def one_run(tool: c.Tool, folder: Path, args) -> Outcome:
@@ -85,7 +102,13 @@ def one_run(tool: c.Tool, folder: Path, args) -> Outcome:
         last1 = max((e["t"] for e in olds if e["kind"] == "step" and e.get("world") == 1), default=None)
         first2 = c.first(olds, kind="step", world=2)
         pause = first2["t"] - last1 if first2 and last1 else None
-        return Outcome(tool.name, True, "", start["t"] - t0 if start else None, step["t"] - t0, pause)
+        # One worker per node: node 1's log holds its lines only, whichever rank it has at world 2.
+        before = [e["pid"] for e in olds if e["kind"] == "start" and e["t"] < t0]
+        after = c.first(olds, kind="start", world=2, t=lambda t: t > t0)
+        same_pid = before[-1] == after["pid"] if before and after else None
+        return Outcome(
+            tool.name, True, "", start["t"] - t0 if start else None, step["t"] - t0, pause, same_pid
+        )
 
 
 def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
@@ -102,6 +125,7 @@ def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
                 stat.fmt(2),
                 c.Stat([r.to_start for r in ok if r.to_start is not None]).fmt(2),
                 c.Stat([r.pause for r in ok if r.pause is not None]).fmt(2),
+                c.pids_unchanged(mine),
             ]
         )
     out = [
@@ -117,9 +141,16 @@ def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
                 "new node start -> its first step at world 2 (s)",
                 "-> its worker up (s)",
                 "node 1 paused (s)",
+                "node 1 PID unchanged",
             ],
             rows,
         ),
+        "",
+        "Node 1 paused: node 1's last step at world size 1 -> its first step at world size 2, from its own "
+        "step lines, for every tool (the time the running node did not train; it includes the compute of "
+        f"that first step, >= `--step-time` {args.step_time:g} s, and the world-2 group's forming). Node 1 "
+        "PID unchanged: its worker's `start` line at world size 2 has the pid of its last one before "
+        "node 2's start.",
     ]
     el = medians.get("elastic-run")
     for base in ("torchrun-noshare", "torchrun"):
@@ -131,6 +162,8 @@ def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
                     verdict = "met" if el / medians[base] <= TARGET_RATIO else "NOT met"
                 extra = f" (target <= {TARGET_RATIO}x: {verdict})"
             out += ["", f"Ratio elastic-run / {base}: **{c.ratio(el, medians[base])}**{extra}."]
+    if c.INPROCESS_TOOL in medians:
+        out += inprocess_target([r for r in results if r.tool == c.INPROCESS_TOOL and r.admitted])
     out += c.before_after(medians, "torchrun-noshare", "median new node start -> its first step at world 2")
     bad = [r for r in results if not r.admitted]
     if bad:
@@ -138,9 +171,36 @@ def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
     return "\n".join(out)
 
 
+def inprocess_target(ok: list[Outcome]) -> list[str]:
+    """The issue-17 verdict of elastic-run-inprocess: node 1 paused (median) when node 2 joins."""
+    stat = c.Stat([r.pause for r in ok if r.pause is not None])
+    verdict = (
+        "n/a" if stat.median is None else ("met" if stat.median <= INPROCESS_PAUSE_TARGET_S else "NOT met")
+    )
+    worst = f"{max(stat.values):.2f}" if stat.values else "n/a"
+    return [
+        "",
+        f"Target {c.INPROCESS_TOOL} node 1 paused median <= {INPROCESS_PAUSE_TARGET_S:g} s (issue 17): "
+        f"{verdict} (median {stat.fmt(2)} s, max {worst} s).",
+    ]
+
+
+def summary(tools: list[c.Tool], results: list[Outcome]) -> dict[str, dict[str, object]]:
+    """The JSON's per-tool figures: node 1 paused (``median_s``, ``p99_s``: the issue's "node joins" row),
+    runs that admitted node 2 (``recovered``) and kept node 1's process (``survivor_pids_unchanged``), and
+    new node start -> its first step at world 2 (``to_step_median_s``, ``to_step_p99_s``)."""
+    out = c.tool_summary(tools, results, "pause")
+    for name, admission in c.tool_summary(tools, results, "to_step").items():
+        out[name]["to_step_median_s"] = admission["median_s"]
+        out[name]["to_step_p99_s"] = admission["p99_s"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = c.base_parser(
-        __doc__.splitlines()[0], runs=3, tools=f"elastic-run,{c.EXEC_TOOL},torchrun,torchrun-noshare"
+        __doc__.splitlines()[0],
+        runs=3,
+        tools=f"elastic-run,{c.INPROCESS_TOOL},{c.EXEC_TOOL},torchrun,torchrun-noshare",
     )
     p.add_argument("--steps-before", type=int, default=10, help="steps of node 1 alone before node 2 starts")
     p.add_argument("--step-time", type=float, default=0.05, help="workload --step-time")
@@ -155,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         help="at most this many runs of torchrun with its default shared store, which waits out --timeout "
         "in every deadlocked run (default %(default)s)",
     )
+    c.add_json_option(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.runs, args.steps_before, args.timeout = 1, 3, 30.0
@@ -170,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             c.cleanup(c.log)
     c.emit_report(args, "Scale-up admission", report(tools, results, args))
+    c.write_json(args, "scale_up", results, tools=summary(tools, results))
     return c.finish(0)
 
 
