@@ -88,6 +88,8 @@ class World:
         self._committed.take(step)
         report(step)
         link = self._link
+        if link is not None:
+            link.committed()
         if link is not None and link.pausing.is_set():
             link.left_step()
             raise WorldChanged(f"round {link.pause_round} is forming")
@@ -131,7 +133,8 @@ def run(
         timeout_s: how long a live worker waits for the agent's word (a pause after its collective broke,
             the next round after it paused) before it gives up; None: as long as its agent is connected
             (an agent that dies or stops the worker closes the connection, which ends the wait).
-        leave_grace_s: how long a pause waits for the loop to reach a commit before it releases the group.
+        leave_grace_s: how long a pause waits at least for the loop to reach a commit before it releases
+            the group; one and a half last steps when longer, at most 0.8 s.
         reform_timeout_s: how long re-forming the group after a fault may take; past it this process ends
             and the agent falls back to restarting processes.
 

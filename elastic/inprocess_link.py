@@ -1,8 +1,11 @@
 """The worker's end of the in-process control channel (:mod:`elastic.inprocess_wire`).
 
 A daemon thread reads the agent's messages. ``pause`` sets :attr:`AgentLink.pausing` at once (the
-training loop leaves at its next commit) and, if the loop has not left within ``leave_grace_s``, calls
-``on_stuck`` (which releases the process group, so a collective blocked on a vanished peer raises).
+training loop leaves at its next commit) and, if the loop has not left within the leave grace, calls
+``on_stuck`` (which releases the process group, so a collective blocked on a vanished peer raises). The
+grace is ``leave_grace_s``, or one and a half times the last step's duration when that is longer (a
+healthy world, e.g. one that a node joins, then finishes its step instead of wasting it), at most
+:data:`MAX_LEAVE_GRACE_S` (a collective blocked on a vanished peer is released within a second).
 ``resume`` hands the next round's environment to :meth:`AgentLink.wait_resume`.
 """
 
@@ -13,6 +16,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +25,9 @@ from elastic import inprocess_wire as wire
 from elastic.errors import WorkerError
 
 log = logging.getLogger(__name__)
+
+#: The longest wait for the loop to reach its commit before the group is released.
+MAX_LEAVE_GRACE_S = 0.8
 
 
 class AgentGone(WorkerError, RuntimeError):
@@ -39,6 +46,8 @@ class AgentLink:
         self._resume: dict[str, Any] | None = None
         self._closed = False
         self._left = threading.Event()  # the training loop left the step it was in
+        self._last_commit: float | None = None
+        self._step_s = 0.0  # the duration of the last step (between two commits)
         #: Set when the agent asked to leave the current step; cleared by :meth:`wait_resume`.
         self.pausing = threading.Event()
         self.pause_round: int | None = None
@@ -72,6 +81,16 @@ class AgentLink:
         with self._send_lock, contextlib.suppress(OSError):
             self._sock.sendall(wire.encode(op, **fields))
 
+    def committed(self) -> None:
+        """A step was committed now: its duration sizes the leave grace."""
+        now = time.monotonic()
+        if self._last_commit is not None:
+            self._step_s = now - self._last_commit
+        self._last_commit = now
+
+    def leave_grace_s(self) -> float:
+        return min(MAX_LEAVE_GRACE_S, max(self._leave_grace_s, 1.5 * self._step_s))
+
     def left_step(self) -> None:
         """The training loop left its step (a commit saw the pause, or a collective raised)."""
         self._left.set()
@@ -87,6 +106,7 @@ class AgentLink:
             resume, self._resume = self._resume, None
             self.pausing.clear()
             self._left.clear()
+            self._last_commit = None  # the first step of the next world includes its forming
             return resume
 
     def wait_pause(self, timeout_s: float | None) -> bool:
@@ -130,9 +150,7 @@ class AgentLink:
                 self._cond.notify_all()
 
     def _release_if_stuck(self) -> None:
-        if not self._left.wait(self._leave_grace_s):
-            log.info(
-                "still in a collective %.2fs after the pause: releasing the process group",
-                self._leave_grace_s,
-            )
+        grace = self.leave_grace_s()
+        if not self._left.wait(grace):
+            log.info("still in its step %.2fs after the pause: releasing the process group", grace)
             self._on_stuck()

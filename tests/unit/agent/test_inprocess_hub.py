@@ -98,3 +98,15 @@ def test_a_broken_report_reaches_the_agent_and_a_closed_agent_ends_the_wait(hub,
 def test_no_agent_socket_means_no_link(monkeypatch) -> None:
     monkeypatch.delenv(contract.INPROCESS_SOCKET, raising=False)
     assert AgentLink.connect(0.1, lambda: None) is None
+
+
+def test_the_leave_grace_follows_the_step_time_within_bounds(hub, monkeypatch) -> None:
+    link = connect(hub, monkeypatch, 0)
+    assert link.leave_grace_s() == 0.05, "no step yet: the configured grace"
+    link._last_commit = time.monotonic() - 0.2  # a step of 0.2 s just ended
+    link.committed()
+    assert 0.29 <= link.leave_grace_s() <= 0.4, "a healthy step finishes instead of being wasted"
+    link._last_commit = time.monotonic() - 30
+    link.committed()
+    assert link.leave_grace_s() == 0.8, "a blocked collective is still released within a second"
+    link.close()
