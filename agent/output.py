@@ -58,6 +58,17 @@ def rank_prefix(global_rank: int) -> str:
     return f"[rank{global_rank}]:"
 
 
+class RankLabel:
+    """The prefix of one worker's forwarded lines; it follows the worker's global rank, which changes when
+    in-process recovery keeps the worker into a round where it has another rank."""
+
+    def __init__(self, global_rank: int) -> None:
+        self.prefix = rank_prefix(global_rank)
+
+    def set(self, global_rank: int) -> None:
+        self.prefix = rank_prefix(global_rank)  # one reference swap: the reader threads see old or new
+
+
 class _AgentStream:
     """The agent's ``sys.stdout`` or ``sys.stderr``, looked up at each write.
 
@@ -102,6 +113,7 @@ def start_forwarder(
     tail: "deque[str] | None" = None,
     console: bool = True,
     filtered: FilteredLog | None = None,
+    label: RankLabel | None = None,
 ) -> threading.Thread:
     """Start a daemon thread that forwards ``pipe`` line by line until EOF.
 
@@ -109,11 +121,12 @@ def start_forwarder(
     characters, so binary output cannot break forwarding; the log file receives the raw bytes. Non-empty
     lines are appended to ``tail`` (a bounded deque) when given. ``console``: False keeps the lines off the
     agent's stream. ``filtered`` (shared, not owned) receives the prefixed lines that match its filters.
+    ``label``: the prefix, shared with the worker's other stream (default: one for ``global_rank``).
     """
     sink = _AGENT_STREAMS[stream] if console else None
     thread = threading.Thread(
         target=_forward,
-        args=(pipe, rank_prefix(global_rank), sink, log_file, tail, filtered),
+        args=(pipe, label or RankLabel(global_rank), sink, log_file, tail, filtered),
         name=f"worker-rank{global_rank}-{stream}",
         daemon=True,
     )
@@ -123,7 +136,7 @@ def start_forwarder(
 
 def _forward(
     pipe: BinaryIO,
-    prefix: str,
+    label: RankLabel,
     sink: _AgentStream | None,
     log_file: BinaryIO | None,
     tail: "deque[str] | None",
@@ -139,6 +152,7 @@ def _forward(
             line = raw.decode("utf-8", errors="replace").removesuffix("\n").removesuffix("\r")
             if tail is not None and line.strip():
                 tail.append(line)
+            prefix = label.prefix
             if sink is not None:
                 sink.write_line(f"{prefix}{line}\n")
             if filtered is not None and filtered.matches(line):

@@ -9,7 +9,7 @@ from typing import BinaryIO, cast
 from agent.errors_file import error_file_path, prepare_error_file
 from agent.filtered_log import FilteredLog
 from agent.launchers import Launcher
-from agent.output import STDERR_TAIL_LINES, start_forwarder
+from agent.output import STDERR_TAIL_LINES, RankLabel, start_forwarder
 from agent.reaper import Reaper
 from agent.worker_tree import RunningWorker
 from agent.worker_types import WorkerSpec
@@ -50,6 +50,7 @@ def spawn_worker(
     # Both are pipes to the agent: every launcher guarantees it.
     stdout, stderr = cast(BinaryIO, proc.stdout), cast(BinaryIO, proc.stderr)
     logged = spec.log_dir is not None
+    worker.label = RankLabel(global_rank)
     worker.readers = [
         start_forwarder(
             stdout,
@@ -58,6 +59,7 @@ def spawn_worker(
             log_file=log_files[0],
             console=spec.output.shows(local_rank, "stdout", logged),
             filtered=filtered.get("stdout"),
+            label=worker.label,
         ),
         start_forwarder(
             stderr,
@@ -67,6 +69,7 @@ def spawn_worker(
             tail=worker.stderr_tail,
             console=spec.output.shows(local_rank, "stderr", logged),
             filtered=filtered.get("stderr"),
+            label=worker.label,
         ),
     ]
     return worker

@@ -22,6 +22,7 @@ import psutil
 
 from agent.errors_file import message_from_stderr, read_error_file
 from agent.launchers import WorkerProcess
+from agent.output import RankLabel
 from agent.worker_types import CRASH_SIGNALS, FailureInfo, WorkerExit
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,13 @@ class RunningWorker:
     readers: list[threading.Thread] = field(default_factory=list)
     watcher: threading.Thread | None = None
     returncode: int | None = None  # set by the watcher thread, under the group's lock
+    label: RankLabel | None = None  # the prefix of its forwarded lines
+
+    def rerank(self, global_rank: int) -> None:
+        """The worker lives on in a round where it has ``global_rank`` (in-process recovery)."""
+        self.global_rank = global_rank
+        if self.label is not None:
+            self.label.set(global_rank)
 
     @property
     def pgid(self) -> int:

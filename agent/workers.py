@@ -217,7 +217,7 @@ class WorkerGroup:
                 events: queue.Queue[WorkerExit | None] = queue.Queue()
                 self._workers = [old[r] for r in kept]
                 for w in self._workers:
-                    w.global_rank = spec.global_ranks[w.local_rank]
+                    w.rerank(spec.global_ranks[w.local_rank])
                 self._events = events
                 self._pending = len(kept)
                 self._stopping = False
