@@ -43,7 +43,6 @@ class _Worker:
     pid: int
     conn: socket.socket
     paused_step: int | None = None  # set by its ``paused`` report, cleared by a resume
-    resumed_round: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def send(self, op: str, **fields: Any) -> bool:
@@ -78,13 +77,6 @@ class InProcessHub:
         """Every one of ``pids`` (a node's live workers; at least one) runs the in-process API."""
         with self._cond:
             return bool(pids) and all(pid in self._workers for pid in pids)
-
-    def pause(
-        self, pids: list[int], round_number: int, timeout_s: float, alive: Callable[[int], bool]
-    ) -> str | None:
-        """:meth:`send_pause`, then :meth:`wait_paused`."""
-        self.send_pause(pids, round_number)
-        return self.wait_paused(pids, timeout_s, alive)
 
     def send_pause(self, pids: list[int], round_number: int) -> None:
         """Ask ``pids`` to leave their step: a new round is forming."""
@@ -160,18 +152,9 @@ class InProcessHub:
             threading.Thread(target=self._serve, args=(conn,), name="inprocess-worker", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        reader = wire.LineReader(conn, wire.WORKER_OPS)
         worker: _Worker | None = None
-        while True:
-            try:
-                messages = reader.read()
-            except wire.WireError as exc:
-                log.warning("in-process channel: %s; closing the connection", exc)
-                messages = None
-            if messages is None:
-                break
-            for message in messages:
-                worker = self._handle(conn, worker, message)
+        for message in wire.LineReader(conn, wire.WORKER_OPS).messages(log):
+            worker = self._handle(conn, worker, message)
         with contextlib.suppress(OSError):
             conn.close()
         if worker is not None:
@@ -197,8 +180,6 @@ class InProcessHub:
             with self._cond:
                 worker.paused_step = int(message.get("step") or 0)
                 self._cond.notify_all()
-        elif op == wire.RESUMED:
-            worker.resumed_round = message.get("round")
         elif op == wire.FAILED:
             with self._cond:
                 self._fallback = (

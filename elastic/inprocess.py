@@ -88,9 +88,10 @@ class World:
         self._committed.take(step)
         report(step)
         link = self._link
-        if link is not None:
-            link.committed()
-        if link is not None and link.pausing.is_set():
+        if link is None:
+            return
+        link.committed()
+        if link.pausing.is_set():
             link.left_step()
             raise WorldChanged(f"round {link.pause_round} is forming")
 
@@ -168,8 +169,7 @@ def run(
                 if not link.wait_pause(timeout_s):
                     raise  # nobody opens a round: not a broken world but this worker's own error
             link.left_step()
-        if link is None:
-            raise RuntimeError("unreachable: a world changed without an agent")
+        assert link is not None  # WorldChanged and a survived RuntimeError both need the agent
         _leave(control, committed, link, timeout_s)
         recovering = True
 

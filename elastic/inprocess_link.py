@@ -120,21 +120,12 @@ class AgentLink:
             self._sock.close()
 
     def _read(self) -> None:
-        reader = wire.LineReader(self._sock, wire.AGENT_OPS)
-        while True:
-            try:
-                messages = reader.read()
-            except wire.WireError as exc:
-                log.error("in-process channel: %s", exc)
-                messages = None
-            if messages is None:
-                with self._cond:
-                    self._closed = True
-                    self._cond.notify_all()
-                self.pausing.set()  # whatever the loop waits for, it is not coming
-                return
-            for message in messages:
-                self._handle(message)
+        for message in wire.LineReader(self._sock, wire.AGENT_OPS).messages(log):
+            self._handle(message)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.pausing.set()  # whatever the loop waits for, it is not coming
 
     def _handle(self, message: dict[str, Any]) -> None:
         if message["op"] == wire.PAUSE:

@@ -21,7 +21,9 @@ Standard library only: the agent imports it.
 from __future__ import annotations
 
 import json
+import logging
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +65,18 @@ class LineReader:
     sock: socket.socket
     ops: frozenset[str]
     _buffer: bytes = b""
+
+    def messages(self, log: logging.Logger) -> Iterator[dict[str, Any]]:
+        """Every message until the peer closes the connection or breaks the protocol (logged)."""
+        while True:
+            try:
+                chunk = self.read()
+            except WireError as exc:
+                log.warning("in-process channel: %s; closing the connection", exc)
+                return
+            if chunk is None:
+                return
+            yield from chunk
 
     def read(self) -> list[dict[str, Any]] | None:
         """The messages of the next chunk (maybe none); None once the peer closed the connection."""

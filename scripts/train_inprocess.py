@@ -42,7 +42,7 @@ from train_script import (  # noqa: E402 - the sibling example
     make_model,
     step_batches,
     weights_hash,
-    write_atomically,
+    write_final,
 )
 
 
@@ -159,12 +159,7 @@ def main(argv: list[str] | None = None) -> None:
             samples.close()
         dist.barrier()  # rank 0 hosts the store: nobody leaves before everyone is done
         if world.is_first:
-            if args.final_hash:
-                write_atomically(Path(args.final_hash), weights_hash(model) + "\n")
-            if args.final_weights:
-                Path(args.final_weights).parent.mkdir(parents=True, exist_ok=True)
-                torch.save(model.state_dict(), args.final_weights)
-            log(f"done step={done}")
+            write_final(args, model, done)
         return done
 
     try:

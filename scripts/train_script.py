@@ -306,12 +306,17 @@ def train(args: argparse.Namespace) -> None:
     # Nobody leaves before rank 0 has written the final checkpoint; rank 0 also hosts the TCPStore.
     dist.barrier()
     if rank == 0:
-        if args.final_hash:
-            write_atomically(Path(args.final_hash), weights_hash(model) + "\n")
-        if args.final_weights:
-            Path(args.final_weights).parent.mkdir(parents=True, exist_ok=True)
-            torch.save(model.state_dict(), args.final_weights)
-        log(f"done step={step}")
+        write_final(args, model, step)
+
+
+def write_final(args: argparse.Namespace, model: nn.Module, step: int) -> None:
+    """Rank 0, at the end: ``--final-hash`` and ``--final-weights`` when asked, then the ``done`` line."""
+    if args.final_hash:
+        write_atomically(Path(args.final_hash), weights_hash(model) + "\n")
+    if args.final_weights:
+        Path(args.final_weights).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(model.state_dict(), args.final_weights)
+    log(f"done step={step}")
 
 
 def main(argv: list[str] | None = None) -> None:

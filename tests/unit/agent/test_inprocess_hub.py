@@ -58,7 +58,8 @@ def test_a_worker_that_said_hello_pauses_and_resumes_with_the_new_environment(hu
 
     t = threading.Thread(target=worker)
     t.start()
-    assert hub.pause([os.getpid()], 1, 5.0, lambda pid: True) is None
+    hub.send_pause([os.getpid()], 1)
+    assert hub.wait_paused([os.getpid()], 5.0, lambda pid: True) is None
     t.join(5)
     assert not stuck.is_set(), "it left in time: the group was not released"
     assert hub.paused_pids() == [os.getpid()]
@@ -73,7 +74,8 @@ def test_a_worker_stuck_in_a_collective_is_released_and_a_silent_one_times_out(h
     stuck = threading.Event()
     link = connect(hub, monkeypatch, 1, stuck)
     wait_covers(hub, [os.getpid()])
-    trouble = hub.pause([os.getpid()], 1, 0.3, lambda pid: True)
+    hub.send_pause([os.getpid()], 1)
+    trouble = hub.wait_paused([os.getpid()], 0.3, lambda pid: True)
     assert stuck.wait(5), "not out of its step within the grace: the group is released"
     assert trouble is not None and "local ranks 1 did not leave their step within 0.3s" in trouble
     link.close()
