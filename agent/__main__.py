@@ -1,5 +1,5 @@
 """``python -m agent`` is ``elastic-run``."""
 
-from agent.cli import main
+from agent.cli.main import main
 
 main()

@@ -6,18 +6,18 @@ import pathlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from agent.output import OutputPolicy
-from agent.progress import DEFAULT_PROGRESS_INTERVAL_S
-from agent.torchrun_compat import SignalPlan
+from agent.cli.torchrun_compat import SignalPlan
+from agent.observe.progress import DEFAULT_PROGRESS_INTERVAL_S
+from agent.workers.output import OutputPolicy
 from elastic.contract import DEFAULT_CKPT_KEEP
-from elastic.job_settings import JobSettings
+from elastic.control.job_settings import JobSettings
 
 #: Seconds between SIGTERM and SIGKILL when stopping workers.
 DEFAULT_STOP_GRACE_S = 5.0
 #: How long healthy workers keep training while no master answers, before the agent gives up.
 DEFAULT_MASTER_TIMEOUT_S = 300.0
 #: A worker that has reported steps is hung after this long without a new one, or a worker process that
-#: is stopped or in disk sleep this long (agent.hang); 0 turns hang verdicts off.
+#: is stopped or in disk sleep this long (agent.observe.hang); 0 turns hang verdicts off.
 DEFAULT_HANG_TIMEOUT_S = 600.0
 
 
@@ -43,11 +43,11 @@ class AgentSettings:
     role: str = "default"
     log_dir: pathlib.Path | None = None
     ckpt_dir: pathlib.Path | None = None
-    #: Checkpoints the keeper keeps in ckpt_dir (agent.ckpt_keeper).
+    #: Checkpoints the keeper keeps in ckpt_dir (agent.checkpoints.keeper).
     ckpt_keep: int = DEFAULT_CKPT_KEEP
     #: The first worker start ignores this node's checkpoints (ELASTIC_CKPT_RESET=1); later ones restore.
     ckpt_reset: bool = False
-    #: Peer nodes each node streams its sharded memory checkpoints to (agent.replication); 0: off.
+    #: Peer nodes each node streams its sharded memory checkpoints to (agent.checkpoints.replication); 0: off.
     replicas: int = 1
     #: Steps the replicas may lag the newest sharded save before a save waits.
     replication_lag: int = 1
@@ -57,7 +57,7 @@ class AgentSettings:
     master_timeout_s: float = DEFAULT_MASTER_TIMEOUT_S
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     cwd: str | None = None
-    #: Fork restarted workers from a zygote that has imported torch (agent.warm); False: always exec.
+    #: Fork restarted workers from a zygote that has imported torch (agent.warm.starter); False: always exec.
     warm_start: bool = True
     #: Which worker streams reach the console, which lines go to filtered logs (torchrun's log flags).
     output: OutputPolicy = OutputPolicy()
@@ -65,11 +65,13 @@ class AgentSettings:
     per_rank_env: tuple[Mapping[str, str], ...] = ()
     #: Signals that stop the agent, and signals it forwards to its workers (--signals-to-handle).
     signals: SignalPlan = field(default_factory=SignalPlan)
-    #: --event-log-handler: "console" prints lifecycle events, anything else drops them (agent.events).
+    #: --event-log-handler: "console" prints lifecycle events, anything else drops them
+    #: (agent.observe.events).
     event_log_handler: str = "null"
-    #: Seconds between two progress lines (agent.progress); 0: none (--quiet).
+    #: Seconds between two progress lines (agent.observe.progress); 0: none (--quiet).
     progress_interval_s: float = DEFAULT_PROGRESS_INTERVAL_S
-    #: Port of this agent's metrics listener (agent.metrics), on ``local_addr``; 0: a free one; None: off.
+    #: Port of this agent's metrics listener (agent.observe.metrics), on ``local_addr``; 0: a free one; None:
+    #: off.
     metrics_port: int | None = None
 
     @property

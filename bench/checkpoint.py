@@ -50,8 +50,8 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from bench import ckpt_replication, common  # noqa: E402
-from elastic import checkpoint, flash_format, flash_save  # noqa: E402
-from elastic import ckpt_layout as layout  # noqa: E402
+from elastic.checkpoint import flash_format, flash_save, layout  # noqa: E402
+from elastic.checkpoint import replicated as checkpoint  # noqa: E402
 
 TENSORS_PER_STATE = 10
 _FLASH_ENV = (

@@ -2,7 +2,7 @@
 
     python bench/ckpt_agent.py JOB NODE
 
-Starts a :class:`agent.ckpt_keeper.CheckpointKeeper` (keep 2) and the progress channel that feeds it,
+Starts a :class:`agent.checkpoints.keeper.CheckpointKeeper` (keep 2) and the progress channel that feeds it,
 as an elastic-run agent does, and prints ``folder PATH`` and ``socket PATH``. Then it answers lines on
 stdin: ``wait STEP`` prints ``persisted STEP`` once the keeper has persisted that step (``failed STEP``
 after 600 s); ``quit`` (or EOF) stops the keeper, which removes its folder, and prints ``stopped``.
@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from agent.channel import ProgressChannel  # noqa: E402
-from agent.ckpt_keeper import CheckpointKeeper  # noqa: E402
+from agent.checkpoints.keeper import CheckpointKeeper  # noqa: E402
+from agent.observe.channel import ProgressChannel  # noqa: E402
 
 
 def main() -> None:

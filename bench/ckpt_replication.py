@@ -1,8 +1,8 @@
-"""Peer replication throughput and lag (agent/replication.py), for bench/checkpoint.py.
+"""Peer replication throughput and lag (agent/checkpoints/replication.py), for bench/checkpoint.py.
 
-In this process: a real :class:`~agent.replica_server.ReplicaServer` and
-:class:`~agent.replication.Replicator` over loopback TCP (threads), a node's sharded save of ``MB`` as
-files in a shared-memory folder.
+In this process: a real :class:`~agent.checkpoints.replica_server.ReplicaServer` and
+:class:`~agent.checkpoints.replication.Replicator` over loopback TCP (threads), a node's sharded save of
+``MB`` as files in a shared-memory folder.
 
 * ``replication push``: from ``on_saved`` to every byte received, hashed (sha256 on both sides) and
   committed by the peer; against
@@ -26,9 +26,9 @@ import threading
 import time
 from pathlib import Path
 
-from agent.replica_server import ReplicaServer
-from agent.replication import Replicator
-from elastic import shard_layout as sl
+from agent.checkpoints.replica_server import ReplicaServer
+from agent.checkpoints.replication import Replicator
+from elastic.checkpoint import shard_layout as sl
 
 _CHUNK = 4 << 20
 

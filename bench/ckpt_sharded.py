@@ -17,7 +17,7 @@ measured apart (bench/ckpt_replication.py).
 * ``peer memory``: node 1 was replaced by an empty one; node 0 holds node 1's replica (as the agents'
   replication leaves it, with its sha256, checked at restore) and sends it over the process group;
 * ``disk``: every node empty; the step persisted to ``DISK_DIR`` by the agents' persist
-  (agent.sharded_persist), its pages evicted from the page cache first.
+  (agent.checkpoints.sharded_persist), its pages evicted from the page cache first.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main() -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     import elastic
-    from elastic import shard_segments
+    from elastic.checkpoint import shard_segments
 
     torch.set_num_threads(1)
     elastic.init_process_group()
@@ -115,8 +115,8 @@ def restore_main() -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     import elastic
-    from agent import sharded_persist
-    from elastic import shard_layout as sl
+    from agent.checkpoints import sharded_persist
+    from elastic.checkpoint import shard_layout as sl
 
     torch.set_num_threads(1)
     elastic.init_process_group()

@@ -58,7 +58,7 @@ from bench.cp_master import (  # noqa: E402
 from bench.cp_report import report, verdict  # noqa: E402
 from bench.fake_fleet import raise_nofile  # noqa: E402
 from bench.fleet_driver import Fleet  # noqa: E402
-from master.settings import DEFAULT_HEADER_TIMEOUT_S  # noqa: E402
+from master.service.settings import DEFAULT_HEADER_TIMEOUT_S  # noqa: E402
 
 
 async def main_run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:

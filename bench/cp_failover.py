@@ -31,7 +31,7 @@ from bench.cp_master import (
 )
 from bench.failover import private_etcd
 from bench.fleet_driver import Fleet
-from elastic.protocol import API_PREFIX, JOB_HEADER
+from elastic.control.protocol import API_PREFIX, JOB_HEADER
 
 TOKEN = "bench-control-plane-token"
 

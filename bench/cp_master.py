@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 
 from bench import common as c
-from elastic.protocol import JOB_HEADER, STREAM_PATH, STREAM_UPGRADE
-from elastic.tls import client_context
+from elastic.control.protocol import JOB_HEADER, STREAM_PATH, STREAM_UPGRADE
+from elastic.control.tls import client_context
 
 START_S = 60.0
 HOST = "127.0.0.1"

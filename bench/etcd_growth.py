@@ -33,7 +33,7 @@ import aetcd  # noqa: E402
 
 from bench import common as c  # noqa: E402
 from bench.rendezvous import Http  # noqa: E402
-from elastic.protocol import NODE_SECRET_HEADER  # noqa: E402
+from elastic.control.protocol import NODE_SECRET_HEADER  # noqa: E402
 
 #: Seconds a change may take to settle (every node running in the new round) before the run fails.
 SETTLE_S = 300.0

@@ -35,10 +35,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as c  # noqa: E402
-from elastic.protocol import API_PREFIX, JOB_HEADER  # noqa: E402
+from elastic.control.protocol import API_PREFIX, JOB_HEADER  # noqa: E402
 
 TRAIN_SCRIPT = c.REPO / "scripts" / "train_script.py"
-LEASE_TTL_S = 3.0  # master.etcd_store.EtcdStore's default
+LEASE_TTL_S = 3.0  # master.store.etcd_store.EtcdStore's default
 TARGETS = {"SIGTERM": 2.0, "SIGKILL": LEASE_TTL_S + 1.0}
 TOKEN = "bench-failover-token"
 STEP = re.compile(r"^\[rank0\]:step=(\d+) loss", re.M)

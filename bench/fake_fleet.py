@@ -31,7 +31,7 @@ if __package__ in (None, ""):
 
 from bench.fleet_beats import Beats, Window  # noqa: E402
 from bench.fleet_wire import Link, WireError  # noqa: E402
-from elastic.tls import client_context  # noqa: E402
+from elastic.control.tls import client_context  # noqa: E402
 
 #: Seconds a long-poll asks the master to hold it (the cap is 30).
 LONG_POLL_S = 25.0

@@ -19,7 +19,7 @@ import time
 from typing import Any
 from urllib.parse import urlencode
 
-from elastic.protocol import (
+from elastic.control.protocol import (
     API_PREFIX,
     JOB_HEADER,
     NODE_SECRET_HEADER,

@@ -33,7 +33,7 @@ from bench.fuzz_job import (
 )
 from bench.fuzz_refusals import refusal_batch
 from bench.fuzz_target import Target
-from master.ui import SESSION_COOKIE
+from master.http.ui import SESSION_COOKIE
 
 EDGE_NUMBERS = ("NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1" + "0" * 40)
 

@@ -18,8 +18,8 @@ from schemathesis import GenerationMode
 
 from bench.fuzz_job import API_OPS, MAX_NODES, MIN_NODES, NODE_OPS, VALID_HOSTS, WITH_INPUT
 from bench.fuzz_target import Target
-from elastic.protocol import JOB_HEADER, MAX_BODY_BYTES
-from master.ui import SESSION_COOKIE
+from elastic.control.protocol import JOB_HEADER, MAX_BODY_BYTES
+from master.http.ui import SESSION_COOKIE
 
 MALFORMED_BODIES = (
     b"", b"{", b"null", b"[]", b"42", b'"text"', b"\xff\xfe\x00garbage", b"{'node_id': 1}", b"[" * 20000,
@@ -93,7 +93,7 @@ def _wrong_secret(t: Target, data, node: str) -> dict[str, str]:
 
 
 def _unauthorized(status: int) -> bool:
-    """401, or 429 once this address sent many wrong tokens (master.rate_limits.PeerFailureLimiter)."""
+    """401, or 429 once this address sent many wrong tokens (master.http.rate_limits.PeerFailureLimiter)."""
     return status in (401, 429)
 
 

@@ -7,7 +7,7 @@ from bench import common as c
 from bench.fuzz_engine import FuzzConfig
 from bench.fuzz_job import API_OPS, UI_LOGIN
 from bench.fuzz_tally import Tally
-from elastic.protocol import API_PREFIX
+from elastic.control.protocol import API_PREFIX
 
 
 def api_operations(tally: Tally) -> list[str]:

@@ -2,17 +2,17 @@
 validation, ``Job.heartbeat``, ``MasterService.changed``, reply building), per tick, per join and per wake-up
 of pending long-polls, at N nodes. No sockets: the transport's share is measured by bench/control_plane.py.
 
-A real :class:`master.service.MasterService` (memory store) leads a real :class:`master.job.Job`; N nodes
-join through ``Job.join`` (``--nproc`` workers each), the round closes, every node reports its workers
+A real :class:`master.service.service.MasterService` (memory store) leads a real :class:`master.job.job.Job`;
+N nodes join through ``Job.join`` (``--nproc`` workers each), the round closes, every node reports its workers
 running, and then every node heartbeats (``--sweeps`` times, one heartbeat interval apart) as the agent
 does: ``--nproc`` workers with step, step time and compute time, the checkpointed and persisted steps.
 Figures are CPU seconds of this process (``time.process_time``), medians over the sweeps, so they scale
 with the node count only if the code does. Wake-ups: every node holds a ``/v1/watch`` long-poll
 (``MasterService.long_poll`` with the route's probe) and one waiting node that is no member is removed
 (which changes no member's answer), then a member dies (which changes every member's answer); the
-figures are the probes run and the CPU until the loop is idle again. Keyed wake-ups (``master.wakeups``)
-take effect where ``MasterService.long_poll`` passes the node's id as its ticket's key; the table says
-whether it does.
+figures are the probes run and the CPU until the loop is idle again. Keyed wake-ups
+(``master.service.wakeups``) take effect where ``MasterService.long_poll`` passes the node's id as its
+ticket's key; the table says whether it does.
 
     python bench/job_hot_path.py --nodes 1000,10000 --json hot-path.json
     python bench/job_hot_path.py --nodes 200 --sweeps 3            # quick look
@@ -35,8 +35,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import add_json_option, table, write_json  # noqa: E402
-from elastic.job_settings import JobSettings  # noqa: E402
-from elastic.protocol import (  # noqa: E402
+from elastic.control.job_settings import JobSettings  # noqa: E402
+from elastic.control.protocol import (  # noqa: E402
     PROTOCOL_VERSION,
     CommandReply,
     HeartbeatRequest,
@@ -44,10 +44,10 @@ from elastic.protocol import (  # noqa: E402
     NodeState,
     WorkerProgress,
 )
-from master.job import Job  # noqa: E402
-from master.service import MasterService  # noqa: E402
-from master.settings import ServerSettings  # noqa: E402
-from master.wire_compat import for_client  # noqa: E402
+from master.http.wire_compat import for_client  # noqa: E402
+from master.job.job import Job  # noqa: E402
+from master.service.service import MasterService  # noqa: E402
+from master.service.settings import ServerSettings  # noqa: E402
 
 US = 1e6
 
@@ -62,7 +62,7 @@ class Figures:
     validate_us: float  # HeartbeatRequest.model_validate_json of the request body
     job_heartbeat_us: float  # Job.heartbeat (steady: running, progress, checkpoint steps)
     changed_us: float  # MasterService.changed() after it (and the health counter)
-    reply_us: float  # master.wire_compat.for_client + model_dump_json of the CommandReply
+    reply_us: float  # master.http.wire_compat.for_client + model_dump_json of the CommandReply
     heartbeat_total_us: float  # all four, one heartbeat at a time as the server runs them, gc included
     heartbeat_gc_us: float  # of which garbage collection
     tick_us: float  # MasterService.tick (Job.tick, changed, the waiting reason) without the aggregates
@@ -105,7 +105,8 @@ def join_request(i: int, nodes: int, nproc: int) -> JoinRequest:
 
 
 def heartbeat_body(job: Job, i: int, nproc: int, step: int) -> bytes:
-    """A steady heartbeat as the agent sends it (agent.heartbeats.heartbeat_request), JSON-encoded."""
+    """A steady heartbeat as the agent sends it (agent.executor.heartbeats.heartbeat_request),
+    JSON-encoded."""
     workers = [
         WorkerProgress(local_rank=r, pid=1000 + r, step=step, step_time_s=0.2 + r * 1e-3, compute_time_s=0.15)
         for r in range(nproc)
@@ -283,7 +284,7 @@ async def measure_wakeups(world: World) -> tuple[bool, int, float, int, float]:
 
         return probe
 
-    # Keyed wake-ups need the poll to say whose answer it waits for (master.wakeups).
+    # Keyed wake-ups need the poll to say whose answer it waits for (master.service.wakeups).
     keyed = "key" in inspect.signature(service.long_poll).parameters
     polls = [
         asyncio.ensure_future(

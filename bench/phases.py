@@ -18,7 +18,7 @@ total                              kill -> every rank's first step line
 ================================  =========================================================
 
 Every row is checked. Both sides date "workers created" from the same record: the agent reports as its
-workers' start the kernel's creation time of the last one (``agent.proc_start``, the same
+workers' start the kernel's creation time of the last one (``agent.workers.proc_start``, the same
 ``/proc/PID/stat`` field the benchmark reads), not the moment its start call returned (with warm starts
 that is after the zygote's fork *and* its hand-shake with the agent, tens of milliseconds later under
 load). What still differs, by a few milliseconds on an idle host: the event log's ``detect`` starts at the
@@ -40,7 +40,7 @@ from pathlib import Path
 #: Agreement: within max(TOLERANCE_REL of the benchmark's value, TOLERANCE_ABS seconds).
 TOLERANCE_REL = 0.10
 TOLERANCE_ABS = 0.030
-#: The event log's recovery phases (master.recovery_phases.PHASES).
+#: The event log's recovery phases (master.job.recovery_phases.PHASES).
 PHASES = ("detect", "rendezvous", "restart", "first_step")
 #: (name, event-log phases summed, the benchmark's own interval, checked) per compared row.
 MAPPING = (

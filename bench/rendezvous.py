@@ -38,7 +38,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as c  # noqa: E402
-from elastic.protocol import NODE_SECRET_HEADER  # noqa: E402
+from elastic.control.protocol import NODE_SECRET_HEADER  # noqa: E402
 
 
 # -- part 1: real agents ------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """elastic: the library a training script imports, plus what master and agent share.
 
 The worker API (``init_process_group``, ``save``, ``load``, ``ElasticSampler``...) needs torch, but the
-agent and the master import ``elastic.protocol`` and must stay torch-free, so nothing here imports torch
-eagerly: the worker API is resolved on first attribute access (PEP 562 module ``__getattr__``)::
+agent and the master import ``elastic.control.protocol`` and must stay torch-free, so nothing here imports
+torch eagerly: the worker API is resolved on first attribute access (PEP 562 module ``__getattr__``)::
 
     import elastic                      # cheap, no torch
     elastic.init_process_group()        # imports elastic.distributed (and torch) now
@@ -64,11 +64,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; at run time these resolve lazily
-    from elastic import checkpoint, distributed, inprocess, sampler, sharded
-    from elastic.checkpoint import CheckpointError, load, load_latest, save
+    from elastic import distributed, sampler, sharded
+    from elastic.checkpoint import replicated as checkpoint
+    from elastic.checkpoint.replicated import CheckpointError, load, load_latest, save
     from elastic.ddp_timing import track_ddp
     from elastic.distributed import backend_for_device, destroy_process_group, init_process_group
-    from elastic.inprocess import World, WorldChanged, run
+    from elastic.inprocess import recovery as inprocess
+    from elastic.inprocess.recovery import World, WorldChanged, run
     from elastic.sampler import ElasticSampler
     from elastic.sharded import load_sharded, save_sharded
 

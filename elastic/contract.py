@@ -1,7 +1,7 @@
 """The worker<->agent contract: environment variable names, shared defaults and the progress datagram.
 
-Standard library only: the worker library (:mod:`elastic.report`, :mod:`elastic.checkpoint`), the agent
-and the warm-start zygote all read it. docs/protocol.md ("Worker environment", "Progress datagram")
+Standard library only: the worker library (:mod:`elastic.report`, :mod:`elastic.checkpoint.replicated`), the
+agent and the warm-start zygote all read it. docs/protocol.md ("Worker environment", "Progress datagram")
 lists the same names; ``tests/unit/test_contract_docs.py`` fails when the two differ.
 
 The datagram's wire form is one compact JSON object with one-letter keys (it must fit one small Unix
@@ -83,7 +83,7 @@ STACK_FILE = "ELASTIC_STACK_FILE"
 #: Where a node-check worker writes its result, and its time limit (set by the agent's node check).
 NODE_CHECK_RESULT = "ELASTIC_NODE_CHECK_RESULT"
 NODE_CHECK_TIMEOUT_S = "ELASTIC_NODE_CHECK_TIMEOUT_S"
-#: The agent's Unix stream socket for in-process recovery (:mod:`elastic.inprocess_wire`).
+#: The agent's Unix stream socket for in-process recovery (:mod:`elastic.inprocess.wire`).
 INPROCESS_SOCKET = "ELASTIC_INPROCESS_SOCKET"
 
 #: Every ``ELASTIC_*`` variable the agent sets for a worker (documented in docs/protocol.md).

@@ -5,13 +5,13 @@ category, so callers handle categories and a CLI maps each to one line and an ex
 
     ElasticRunError
     ├── UsageError        a setting, a flag or a file the user gave is wrong (fix it, run again)
-    ├── MasterError       talking to the job master failed (elastic.master_errors)
+    ├── MasterError       talking to the job master failed (elastic.control.error_table)
     ├── RequestRefused    the master refuses a request; ``code`` names it on the wire (an ErrorCode)
     ├── ProtocolError     a peer broke the protocol (a malformed or unexpected message)
-    ├── CheckpointError   a checkpoint cannot be saved, found or loaded (elastic.checkpoint)
-    ├── StoreError        the master's state store failed (master.store)
+    ├── CheckpointError   a checkpoint cannot be saved, found or loaded (elastic.checkpoint.replicated)
+    ├── StoreError        the master's state store failed (master.store.base)
     ├── WorkerError       launching, supervising or stopping worker processes failed
-    └── ReplicationError  copying a checkpoint between agents failed (agent.replication)
+    └── ReplicationError  copying a checkpoint between agents failed (agent.checkpoints.replication)
 
 A concrete class may also derive from the built-in it replaces (``ValueError``, ``RuntimeError``,
 ``TimeoutError``) so that existing ``except`` clauses keep working.

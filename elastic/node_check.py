@@ -8,7 +8,7 @@ The agent starts it as the node's single worker with torchrun's environment, the
 2. times a matmul on the local device (best of several runs, so that a busy moment does not count);
 3. times an allreduce within its pair (best of several runs);
 
-and writes the figures as JSON (:class:`elastic.protocol.NodeCheckResult` fields) to the file named by
+and writes the figures as JSON (:class:`elastic.control.protocol.NodeCheckResult` fields) to the file named by
 ``ELASTIC_NODE_CHECK_RESULT``, for its agent to report to the master. A stage that raises is recorded as
 the failed stage with its error, and the process exits 1.
 

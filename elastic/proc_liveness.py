@@ -1,7 +1,7 @@
 """Is the process that wrote a file still alive? Standard library only (workers and the agent use it).
 
-A temp file names its writer's pid (see :func:`elastic.ckpt_layout.temp_path`). The writer is alive when a
-process with that pid exists, is not a zombie, and started no later than the file's last modification: a
+A temp file names its writer's pid (see :func:`elastic.checkpoint.layout.temp_path`). The writer is alive when
+a process with that pid exists, is not a zombie, and started no later than the file's last modification: a
 pid reused by a younger process cannot be the writer. Process start times come from ``/proc`` (Linux);
 elsewhere only the pid's existence is checked.
 """

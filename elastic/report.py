@@ -178,7 +178,9 @@ def report_checkpoint(
     room in the agent's queue, at most :data:`CKPT_SEND_TIMEOUT_S` (then the report is dropped with a
     warning)."""
     fence: int | None = None
-    with contextlib.suppress(KeyError, ValueError):  # the round fences the agent's persist (agent.ckpt_fence)
+    with contextlib.suppress(
+        KeyError, ValueError
+    ):  # the round fences the agent's persist (agent.checkpoints.fence)
         fence = int(os.environ[ROUND_ENV])
     message = _progress(
         ProgressKind.CKPT,

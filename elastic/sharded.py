@@ -1,26 +1,25 @@
 """Sharded checkpoints (FSDP, DTensor, tensor parallel) through ``torch.distributed.checkpoint`` (DCP).
 
-DCP writes each rank's shards plus one metadata file describing the global tensors, and re-shards on
-load: a checkpoint written at one world size loads at another, into state whose tensors are sharded
-for the new world. The files follow :mod:`elastic.shard_layout` (a ``step_<N>`` symlink to the save's
-data folder, replaced atomically).
+DCP writes each rank's shards plus one metadata file describing the global tensors, and re-shards on load: a
+checkpoint written at one world size loads at another, into state whose tensors are sharded for the new world.
+The files follow :mod:`elastic.checkpoint.shard_layout` (a ``step_<N>`` symlink to the save's data folder,
+replaced atomically).
 
 **Under elastic-run** (``ELASTIC_SHM_DIR`` set) a save is a *flash* save: every rank writes its own shards
-into its node's shared-memory folder (``<shm>/sharded``), through DCP's writer with its data files in
-reused, pre-faulted segments (:mod:`elastic.shard_segments`), and returns; there is no disk I/O in the
-worker. Local rank 0 of each node then commits the node's folder and reports it to the agent, which
-streams it to a peer node's agent (replication) and persists it to ``--ckpt-dir`` in the background.
-Before it writes, a save waits while the node's replication lags more than the agent's bound
-(``<shm>/replication.json``), so that a lost node costs at most that many steps
-(:mod:`elastic.shard_save`).
+into its node's shared-memory folder (``<shm>/sharded``), through DCP's writer with its data files in reused,
+pre-faulted segments (:mod:`elastic.checkpoint.shard_segments`), and returns; there is no disk I/O in the
+worker. Local rank 0 of each node then commits the node's folder and reports it to the agent, which streams it
+to a peer node's agent (replication) and persists it to ``--ckpt-dir`` in the background. Before it writes, a
+save waits while the node's replication lags more than the agent's bound (``<shm>/replication.json``), so that
+a lost node costs at most that many steps (:mod:`elastic.checkpoint.shard_save`).
 
-:func:`load_sharded` restores the newest step whose files the job holds *somewhere*: each node lists
-what it holds (its own memory, the replicas it keeps for peers, checked against their sha256, and the
-disk folder); the ranks exchange the lists (int64 collectives) and pick the newest complete step. Each rank
-plans its DCP reads; a node receives only the files its ranks read and it lacks, point to point from a
-rank that holds each (:mod:`elastic.shard_holdings`, :mod:`elastic.shard_assemble`): at an unchanged
-world size with every node holding its own shards nothing moves. Then ``dcp.load`` reads the node's
-assembled folder, re-sharding to the current world.
+:func:`load_sharded` restores the newest step whose files the job holds *somewhere*: each node lists what it
+holds (its own memory, the replicas it keeps for peers, checked against their sha256, and the disk folder);
+the ranks exchange the lists (int64 collectives) and pick the newest complete step. Each rank plans its DCP
+reads; a node receives only the files its ranks read and it lacks, point to point from a rank that holds each
+(:mod:`elastic.checkpoint.shard_holdings`, :mod:`elastic.checkpoint.shard_assemble`): at an unchanged world
+size with every node holding its own shards nothing moves. Then ``dcp.load`` reads the node's assembled
+folder, re-sharding to the current world.
 
 **Without an agent** every rank writes its shards to ``<ckpt_dir>/sharded`` (a folder all ranks share)
 and global rank 0 commits it once all have written.
@@ -34,9 +33,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from elastic import collectives, shard_assemble, shard_holdings, shard_save
-from elastic import shard_layout as sl
-from elastic.ckpt_env import (
+from elastic import collectives
+from elastic.checkpoint import shard_assemble, shard_holdings, shard_save
+from elastic.checkpoint import shard_layout as sl
+from elastic.checkpoint.env import (
     CKPT_DIR_ENV,
     CKPT_RESET_ENV,
     SHM_DIR_ENV,
@@ -45,9 +45,9 @@ from elastic.ckpt_env import (
     node_local_rank,
     resolve_dir,
 )
+from elastic.checkpoint.shard_save import MEMORY_KEEP
 from elastic.contract import DEFAULT_CKPT_KEEP
 from elastic.report import report, report_checkpoint
-from elastic.shard_save import MEMORY_KEEP
 
 log = logging.getLogger(__name__)
 

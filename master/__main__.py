@@ -1,5 +1,5 @@
 """``python -m master`` is ``elastic-master``."""
 
-from master.cli import main
+from master.cli.main import main
 
 main()

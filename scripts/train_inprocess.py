@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import elastic
-from elastic.checkpoint import flash_enabled
+from elastic.checkpoint.replicated import flash_enabled
 from elastic.sampler import ElasticSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import elastic
-from elastic.checkpoint import flash_enabled
+from elastic.checkpoint.replicated import flash_enabled
 from elastic.sampler import ElasticSampler, StepBatch
 
 IN_FEATURES = 64

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 
 import elastic
-from elastic.checkpoint import flash_enabled
+from elastic.checkpoint.replicated import flash_enabled
 from elastic.sampler import ElasticSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -15,7 +15,7 @@ from e2e import TRAIN_SCRIPT, base_env, elastic_run_argv, launch, wait_until  # 
 from prometheus_client.parser import text_string_to_metric_families
 from tools import require_tool
 
-from agent.cli import main as elastic_run_main
+from agent.cli.main import main as elastic_run_main
 
 TOKEN = "agent-metrics-test-token"
 START_S = 120.0

@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 from bench import common as c  # noqa: E402
 from bench.fuzz_engine import FuzzConfig, run_fuzz  # noqa: E402
 from bench.fuzz_report import api_operations  # noqa: E402
-from master.serving import bind_socket  # noqa: E402
+from master.http.serving import bind_socket  # noqa: E402
 
 REQUESTS = 1500
 MIN_SUCCESSES = 3  # every /v1 operation reached; the full run (bench/fuzz_api.py) asks for 50

@@ -37,9 +37,9 @@ from e2e import (
 )
 from tools import require_tool
 
-from agent.shm_folder import folder_name
-from elastic import ckpt_layout as layout
-from elastic.protocol import API_PREFIX, JOB_HEADER
+from agent.checkpoints.shm_folder import folder_name
+from elastic.checkpoint import layout
+from elastic.control.protocol import API_PREFIX, JOB_HEADER
 
 launch = e2e.launch  # the fixture: starts processes, kills their trees at teardown
 jobs = e2e.jobs  # the fixture: removes the shared-memory folders of the test's jobs

@@ -41,7 +41,7 @@ from failover_cluster import (
     steps_of,
 )
 
-from master import etcd_layout
+from master.store import etcd_layout
 
 pytestmark = pytest.mark.etcd
 launch = e2e.launch  # the fixture: every process tree a test launches is killed at its teardown
@@ -127,7 +127,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: st
 
 
 def stored_state(server: EtcdServer, job: str) -> dict:
-    """The job's state as the master stored it (records under its prefix, master/etcd_layout.py)."""
+    """The job's state as the master stored it (records under its prefix, master/store/etcd_layout.py)."""
     prefix = f"/elastic/{job}/"
     reply = json.loads(server.must("get", "--prefix", prefix, "-w", "json"))
     records = {
@@ -189,9 +189,9 @@ def test_through_the_proxy_a_master_needs_its_etcd_user_and_reaches_only_its_job
 
 @pytest.mark.timeout(10)
 def test_the_store_url_names_the_etcd_user_and_the_password_comes_from_its_file() -> None:
-    from master.etcd_store import EtcdStore
-    from master.store import StoreError
-    from master.store_factory import open_store
+    from master.store.base import StoreError
+    from master.store.etcd_store import EtcdStore
+    from master.store.factory import open_store
 
     store = open_store("etcd://elastic-master@127.0.0.1:23790,127.0.0.1:23791", "j", password="pw")
     assert isinstance(store, EtcdStore)

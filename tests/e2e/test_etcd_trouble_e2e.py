@@ -47,16 +47,16 @@ launch = e2e.launch
 
 #: How long etcd stays frozen in the first test (the issue's stall).
 STALL_S = 5.0
-#: The etcd lease of the leader key (master.etcd_store.EtcdStore's default TTL; no CLI option sets it).
+#: The etcd lease of the leader key (master.store.etcd_store.EtcdStore's default TTL; no CLI option sets it).
 LEASE_TTL_S = 3.0
 #: The second test's outage: well past the lease, so that it has expired in etcd when etcd resumes.
 OUTAGE_S = 4 * LEASE_TTL_S
 #: A leader that cannot renew its lease steps down after 2/3 of the TTL; slack for a loaded machine.
 STEP_DOWN_LIMIT_S = LEASE_TTL_S + 7.0
 
-#: ``round N: node rank R of K, ..., term T`` (agent/loop.py, one line per assignment).
+#: ``round N: node rank R of K, ..., term T`` (agent/executor/loop.py, one line per assignment).
 ASSIGNED = re.compile(r"round (\d+): node rank (\d+) of (\d+), .*, term (\d+)$", re.M)
-#: The leader's ``round_closed`` event (master/round_flow.py).
+#: The leader's ``round_closed`` event (master/job/round_flow.py).
 CLOSED = re.compile(r"^round (\d+) closed: \d+ nodes, world size \d+, members (.*?) \(term (\d+)\)")
 
 Round = tuple[int, int]  # (term, number)
@@ -283,7 +283,7 @@ def test_etcd_stalls_during_a_join_and_a_round_close_no_agent_holds_a_round_the_
 
     for node_id, agent in agents.items():
         code = agent.wait(START_S + steps * 0.1 * 3)
-        assert code == 0, f"{node_id} exited {code}:\n{agent.output()[-4000:]}"
+        assert code == 0, f"{node_id} exited {code}:\n{agent.workers.output()[-4000:]}"
         assert "job succeeded" in agent.output()
     assert re.search(rf"^\[rank0\]:done step={steps}$", "".join(a.output() for a in agents.values()), re.M)
     leader = leader_of(job, addresses)

@@ -20,9 +20,9 @@ import httpx
 import pytest
 from e2e import base_env, elastic_run_argv, train_args, unique_job, wait_until
 
-from elastic.protocol import API_PREFIX, JOB_HEADER
-from master.conn_guard import connection_cap
-from master.settings import DEFAULT_HEADER_TIMEOUT_S
+from elastic.control.protocol import API_PREFIX, JOB_HEADER
+from master.http.conn_guard import connection_cap
+from master.service.settings import DEFAULT_HEADER_TIMEOUT_S
 
 launch, jobs = e2e.launch, e2e.jobs  # fixtures: process trees killed, shm folders removed at teardown
 

@@ -38,10 +38,11 @@ from e2e import (
     wait_until,
 )
 
-from agent.shm_folder import folder_name
-from elastic import checkpoint, memory_ckpt, restore
-from elastic import ckpt_layout as layout
-from elastic.checkpoint import CheckpointError
+from agent.checkpoints.shm_folder import folder_name
+from elastic.checkpoint import layout, restore
+from elastic.checkpoint import memory as memory_ckpt
+from elastic.checkpoint import replicated as checkpoint
+from elastic.checkpoint.replicated import CheckpointError
 
 launch = e2e.launch  # the fixture: starts processes, kills their trees at teardown
 jobs = e2e.jobs  # the fixture: removes the shared-memory folders of the test's jobs

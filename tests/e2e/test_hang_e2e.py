@@ -29,7 +29,7 @@ import psutil
 import pytest
 from e2e import TRAIN_SCRIPT, Proc, alive, base_env, elastic_master_argv, elastic_run_argv, wait_until
 
-from elastic.protocol import API_PREFIX, JOB_HEADER
+from elastic.control.protocol import API_PREFIX, JOB_HEADER
 
 launch = e2e.launch  # the fixture
 

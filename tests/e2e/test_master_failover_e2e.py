@@ -49,7 +49,7 @@ from failover_cluster import (
     steps_of,
 )
 
-from elastic.protocol import API_PREFIX
+from elastic.control.protocol import API_PREFIX
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd]
 launch = e2e.launch  # the fixture: starts processes, kills their trees at teardown

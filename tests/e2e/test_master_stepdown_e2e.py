@@ -36,7 +36,7 @@ launch = e2e.launch
 
 #: Leader changes per test (the benchmark bench/failover.py does 20 of each).
 CYCLES = 3
-#: A master that steps down exits once its connections drained (master.serving.DRAIN_GRACE_S = 5 s).
+#: A master that steps down exits once its connections drained (master.http.serving.DRAIN_GRACE_S = 5 s).
 EXIT_LIMIT_S = 30.0
 
 

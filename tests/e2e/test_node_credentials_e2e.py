@@ -43,7 +43,7 @@ from multinode_cluster import (
 from tools import MISSING_TOOL, require_tool
 
 from agent.errors import EXIT_CONFIG
-from elastic.protocol import API_PREFIX, JOB_HEADER, NODE_SECRET_HEADER
+from elastic.control.protocol import API_PREFIX, JOB_HEADER, NODE_SECRET_HEADER
 
 launch = e2e.launch  # the fixture: every process tree a test launches is killed at its teardown
 

@@ -1,4 +1,4 @@
-"""The agent's progress line (agent/progress.py): its format, and ``elastic-run`` printing it every
+"""The agent's progress line (agent/observe/progress.py): its format, and ``elastic-run`` printing it every
 ``--progress-interval`` seconds with the workers' real steps, and not at all with ``--quiet``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from e2e import elastic_run_argv, launch  # noqa: F401 - launch is a fixture
 
-from agent.progress import ProgressSample, progress_line, steps_per_s
+from agent.observe.progress import ProgressSample, progress_line, steps_per_s
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,8 +28,8 @@ from e2e import (
     wait_until,
 )
 
-from agent.shm_folder import folder_name
-from elastic import shard_layout as sl
+from agent.checkpoints.shm_folder import folder_name
+from elastic.checkpoint import shard_layout as sl
 
 launch = e2e.launch
 jobs = e2e.jobs

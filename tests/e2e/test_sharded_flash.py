@@ -14,8 +14,8 @@ import pytest
 import torch
 from ckpt_world import WORKER, results, run_world
 
-from agent import sharded_persist
-from elastic import shard_layout as sl
+from agent.checkpoints import sharded_persist
+from elastic.checkpoint import shard_layout as sl
 
 sys.path.insert(0, str(WORKER.parent))
 from ckpt_worker import expected_tensors  # noqa: E402

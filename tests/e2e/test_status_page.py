@@ -1,5 +1,5 @@
-"""The status page (``GET /ui``, master/ui.py) of a real master, in a real headless browser (Debian's chromium
-driven by selenium through Debian's chromedriver), and its access rules over plain HTTP.
+"""The status page (``GET /ui``, master/http/ui.py) of a real master, in a real headless browser (Debian's
+chromium driven by selenium through Debian's chromedriver), and its access rules over plain HTTP.
 
 The browser logs in with the job token, sees the nodes of a running job and the round's reason, sees a node
 that joins later appear without a reload, and shows a hostile leave reason as text (no script runs).
@@ -23,7 +23,7 @@ from e2e import launch, wait_until  # noqa: F401 - launch is a fixture
 from fake_nodes import RealMaster, start_master
 from tools import require_tool
 
-from master.ui import CSRF_COOKIE, SECURITY_HEADERS, SESSION_COOKIE
+from master.http.ui import CSRF_COOKIE, SECURITY_HEADERS, SESSION_COOKIE
 
 HOSTILE = '<img src=x onerror="window.pwned=1"><script>window.pwned=2</script>'
 

@@ -18,8 +18,8 @@ from fake_nodes import start_master
 from rich.console import Console
 from tools import require_tool
 
-from elastic.protocol import JobStatus, NodeStatus, StatusEvent
-from master.status_watch import render_watch
+from elastic.control.protocol import JobStatus, NodeStatus, StatusEvent
+from master.cli.status_watch import render_watch
 
 HOSTILE = "[red]forged[/red] <script>x</script> \x1b[2J"
 

@@ -26,11 +26,11 @@ from certs import LOCAL_NAMES, CertAuthority, write_cert, write_key
 from cryptography import x509
 from e2e import TRAIN_SCRIPT, Proc, base_env, elastic_master_argv, elastic_run_argv, free_port, wait_until
 
-from elastic.client import MasterClient, MasterTLSError
-from elastic.job_settings import JobSettings
-from elastic.tls import server_context
-from master.serving import EmbeddedMaster
-from master.settings import ServerSettings
+from elastic.control.client import MasterClient, MasterTLSError
+from elastic.control.job_settings import JobSettings
+from elastic.control.tls import server_context
+from master.http.serving import EmbeddedMaster
+from master.service.settings import ServerSettings
 
 launch = e2e.launch  # the fixture: every process tree a test launches is killed at its teardown
 
@@ -242,7 +242,7 @@ def test_two_agents_with_the_ca_train_to_the_end_and_status_works(launch, pki, t
     ]
     for agent in agents:
         code = agent.wait(START_S + EXIT_S)
-        assert code == 0, f"{agent.log.name} exited {code}:\n{agent.output()[-4000:]}"
+        assert code == 0, f"{agent.log.name} exited {code}:\n{agent.workers.output()[-4000:]}"
         assert "job succeeded" in agent.output()
     assert any(re.search(r"^\[rank0\]:done step=5$", a.output(), re.M) for a in agents)
     assert all(re.search(r"^\[rank\d\]:start rank=\d world=2 ", a.output(), re.M) for a in agents)
@@ -456,9 +456,9 @@ def test_a_standby_with_a_bad_certificate_is_reported_and_the_job_goes_on_once_a
 
 @pytest.mark.timeout(10)
 def test_tls_trouble_is_logged_once_until_a_master_answers(caplog: pytest.LogCaptureFixture) -> None:
-    from agent.events import EventLog
-    from agent.tls_trouble import TLSTrouble
-    from elastic.master_errors import MasterTLSError, MasterUnreachableError
+    from agent.executor.tls_trouble import TLSTrouble
+    from agent.observe.events import EventLog
+    from elastic.control.error_table import MasterTLSError, MasterUnreachableError
 
     trouble = TLSTrouble(EventLog())
     bad = MasterTLSError("the certificate of the master at h:1 does not verify: self-signed certificate")

@@ -25,14 +25,14 @@ import torch
 from click.core import ParameterSource
 from e2e import REPO, base_env, elastic_run_argv
 
-import agent.cli
-import agent.cli_values
-from agent import torchrun_compat as tc
-from agent.events import PREFIX, ConsoleEventLog, event_log_for
-from agent.filtered_log import FilteredLog, open_filtered_logs
-from agent.output import OutputPolicy
+import agent.cli.main
+import agent.cli.values
+from agent.cli import torchrun_compat as tc
+from agent.cli.torchrun_compat import Std, StdSpec
+from agent.observe.events import PREFIX, ConsoleEventLog, event_log_for
 from agent.settings import DEFAULT_STOP_GRACE_S
-from agent.torchrun_compat import Std, StdSpec
+from agent.workers.filtered_log import FilteredLog, open_filtered_logs
+from agent.workers.output import OutputPolicy
 
 launch = e2e.launch  # the fixture: starts processes, kills their trees at teardown
 
@@ -185,13 +185,13 @@ def resolve(monkeypatch: pytest.MonkeyPatch):
         if name.startswith("PET_") or name == tc.SHUTDOWN_TIMEOUT_ENV:
             monkeypatch.delenv(name)
     seen = []
-    monkeypatch.setattr(agent.cli, "run_agent", lambda settings, embed: seen.append(settings) or 0)
+    monkeypatch.setattr(agent.cli.main, "run_agent", lambda settings, embed: seen.append(settings) or 0)
 
     def _resolve(*args: str, **env: str):
         with monkeypatch.context() as m:
             for key, value in env.items():
                 m.setenv(key, value)
-            agent.cli.cli.main(
+            agent.cli.main.cli.main(
                 args=["--standalone", *args, SCRIPT], prog_name="elastic-run", standalone_mode=False
             )
         return seen[-1]
@@ -213,7 +213,7 @@ def test_shutdown_timeout_and_stop_grace(resolve) -> None:
 
 def test_cli_resolves_torchrun_flags(resolve, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(agent.cli_values, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(agent.cli.values, "visible_gpus", lambda: 0)
     settings = resolve(
         "--nproc-per-node",
         "2",
@@ -272,7 +272,7 @@ def _torchrun_actions():
 
 
 def _param_for(option: str) -> click.Parameter | None:
-    for param in agent.cli.cli.params:
+    for param in agent.cli.main.cli.params:
         if option in getattr(param, "opts", []) + getattr(param, "secondary_opts", []):
             return param
     return None
@@ -305,7 +305,7 @@ def test_every_torchrun_option_is_accepted_with_its_pet_variable(monkeypatch: py
         variable = f"PET_{action.dest.upper()}"
         with monkeypatch.context() as m:
             m.setenv(variable, _env_value(param))
-            ctx = agent.cli.cli.make_context("elastic-run", ["script.py"])
+            ctx = agent.cli.main.cli.make_context("elastic-run", ["script.py"])
             if ctx.get_parameter_source(param.name) is not ParameterSource.ENVIRONMENT:
                 wrong_env.append(variable)
     assert not wrong_env, f"not read from torchrun's PET_ variable: {wrong_env}"
@@ -389,7 +389,7 @@ def _no_gpu_env() -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(agent.cli_values.visible_gpus() > 0, reason="checks the no-GPU behaviour")
+@pytest.mark.skipif(agent.cli.values.visible_gpus() > 0, reason="checks the no-GPU behaviour")
 def test_console_filter_duplicates_virtual_rank_events_and_warnings(launch, tmp_path: Path) -> None:
     script = write_script(tmp_path, "reporter.py", REPORTER)
     logs = tmp_path / "logs"
@@ -507,7 +507,7 @@ def test_sigusr1_is_forwarded_to_the_workers_and_the_job_goes_on(launch, tmp_pat
 
 def test_agent_modules_stay_free_of_torch() -> None:
     code = (
-        "import agent.cli, agent.cli_torchrun, agent.startup, agent.signals, agent.events, agent.loop, sys; "
-        "assert 'torch' not in sys.modules"
+        "import agent.cli.main, agent.cli.torchrun_flags, agent.executor.startup, agent.executor.signals, "
+        "agent.observe.events, agent.executor.loop, sys; assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

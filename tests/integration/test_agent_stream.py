@@ -1,4 +1,4 @@
-"""The agent stream, master side (master/stream.py; docs/protocol.md, "The agent stream"), with a real
+"""The agent stream, master side (master/http/stream.py; docs/protocol.md, "The agent stream"), with a real
 ``EmbeddedMaster`` (uvicorn in a thread) on 127.0.0.1 and the stream spoken from raw sockets
 (tests/support/stream_socket.py): the upgrade and its refusals (the gate's 401/429/409, 503 from a
 standby on a real etcd, no upgrade elsewhere than /v1/stream), every call answering as its HTTP route
@@ -22,7 +22,7 @@ from e2e import unique_job, wait_until
 from embedded_masters import EmbeddedMasters, no_thread_left
 from stream_socket import StreamSocket, upgrade_request
 
-from elastic.protocol import (
+from elastic.control.protocol import (
     API_PREFIX,
     JOB_HEADER,
     NODE_SECRET_HEADER,
@@ -32,8 +32,8 @@ from elastic.protocol import (
     STREAM_MAX_PENDING,
     STREAM_ROUTES,
 )
-from master.rate_limits import FAILURE_LIMIT
-from master.serving import EmbeddedMaster
+from master.http.rate_limits import FAILURE_LIMIT
+from master.http.serving import EmbeddedMaster
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,7 +145,7 @@ ONE_NODE = dict(min_nodes=1, max_nodes=1)
 
 def leader_and_standby(masters: Masters, etcd_endpoint: str) -> tuple[str, EmbeddedMaster, EmbeddedMaster]:
     """A new job's two masters on the real etcd: ``(job, leader, standby)``, the first one leading."""
-    from master.etcd_store import EtcdStore  # imported only where etcd runs
+    from master.store.etcd_store import EtcdStore  # imported only where etcd runs
 
     job = unique_job(JOB_ID)
     store_url = f"etcd://{etcd_endpoint}"
@@ -211,7 +211,7 @@ def test_a_heartbeat_reply_that_reveals_a_restart_is_never_sent_before_the_store
     whose reply would reveal the restart it causes is answered 503 not_leader (the master cannot store
     it and steps down), never 'rejoin'. (No thread check here: gRPC's poller thread outlives a client
     whose server died.)"""
-    from master.etcd_store import EtcdStore
+    from master.store.etcd_store import EtcdStore
 
     job = unique_job(JOB_ID)
     helper = Masters()
@@ -236,7 +236,7 @@ def test_a_heartbeat_reply_that_reveals_a_restart_is_never_sent_before_the_store
 
 def stored_restarts(endpoint: str, job: str) -> int:
     """The restart count of ``job`` as etcd holds it (read by a client of its own)."""
-    from master.etcd_store import EtcdStore
+    from master.store.etcd_store import EtcdStore
 
     async def read() -> int:
         reader = EtcdStore(endpoint, job)

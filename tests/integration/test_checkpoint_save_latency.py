@@ -12,8 +12,8 @@ import socket
 import pytest
 from e2e import wait_until
 
-from agent.channel import ProgressChannel
-from agent.latency import LatencyHistogram
+from agent.observe.channel import ProgressChannel
+from agent.observe.latency import LatencyHistogram
 
 pytestmark = pytest.mark.timeout(30)
 

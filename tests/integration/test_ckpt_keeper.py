@@ -1,4 +1,4 @@
-"""Unit tests of the agent's checkpoint keeper (agent/ckpt_keeper.py): shared-memory folder hygiene,
+"""Unit tests of the agent's checkpoint keeper (agent/checkpoints/keeper.py): shared-memory folder hygiene,
 background persistence (atomic, keep-K, newest-wins when busy) and the progress-channel hook.
 
 The keeper is stdlib-only; checkpoints here are opaque bytes written the way a worker writes them (temp
@@ -19,12 +19,12 @@ import psutil
 import pytest
 from e2e import wait_until
 
-from agent import ckpt_fence
-from agent.channel import ProgressChannel
-from agent.ckpt_keeper import CheckpointKeeper
-from agent.ckpt_persist import parse_persist_delay
-from agent.shm_folder import DEFAULT_ROOT, OWNER_FILE, KeeperError, folder_name
-from elastic import ckpt_layout as layout
+from agent.checkpoints import fence as ckpt_fence
+from agent.checkpoints.keeper import CheckpointKeeper
+from agent.checkpoints.persist import parse_persist_delay
+from agent.checkpoints.shm_folder import DEFAULT_ROOT, OWNER_FILE, KeeperError, folder_name
+from agent.observe.channel import ProgressChannel
+from elastic.checkpoint import layout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -259,6 +259,6 @@ def test_progress_channel_passes_checkpoint_reports_to_the_keeper(
 
 @pytest.mark.timeout(60)
 def test_agent_module_imports_no_torch() -> None:
-    code = "import agent.ckpt_keeper, agent.cli, sys; assert 'torch' not in sys.modules"
+    code = "import agent.checkpoints.keeper, agent.cli.main, sys; assert 'torch' not in sys.modules"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -1,5 +1,5 @@
-"""Safety of the flash-checkpoint path around the agent's keeper (agent/ckpt_keeper.py and its helpers):
-temp files of dead writers are swept, persists into a shared folder are fenced by round, persist
+"""Safety of the flash-checkpoint path around the agent's keeper (agent/checkpoints/keeper.py and its
+helpers): temp files of dead writers are swept, persists into a shared folder are fenced by round, persist
 failures and hangs are visible and bounded, and a restarted agent takes over its dead predecessor's
 shared-memory folder by its lock.
 
@@ -23,14 +23,14 @@ import psutil
 import pytest
 from e2e import REPO, SUPPORT, base_env, wait_until
 
-from agent.ckpt_fence import FENCE_FILE, Decision, decide
-from agent.ckpt_keeper import CheckpointKeeper
-from agent.shm_folder import OWNER_FILE, KeeperError
-from elastic import ckpt_layout as layout
-from elastic.job_settings import JobSettings
-from elastic.protocol import HeartbeatRequest, JoinRequest, NodeState
-from master.job import Job
-from master.status_view import render_status
+from agent.checkpoints.fence import FENCE_FILE, Decision, decide
+from agent.checkpoints.keeper import CheckpointKeeper
+from agent.checkpoints.shm_folder import OWNER_FILE, KeeperError
+from elastic.checkpoint import layout
+from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import HeartbeatRequest, JoinRequest, NodeState
+from master.cli.status_view import render_status
+from master.job.job import Job
 
 KEEPER_PROC = SUPPORT / "keeper_proc.py"
 
@@ -151,7 +151,7 @@ def test_the_keeper_sweeps_the_temp_file_of_a_writer_killed_mid_save_and_counts_
     keeper = CheckpointKeeper("job1", "node-a", root=root).start()
     # A writer stopped for good in the middle of a save: no cleanup of its own.
     code = (
-        "import sys, threading; from pathlib import Path; from elastic import ckpt_layout as layout\n"
+        "import sys, threading; from pathlib import Path; from elastic.checkpoint import layout\n"
         "def write(f):\n"
         "    f.write(bytes(8 << 20)); f.flush(); print('writing', flush=True); threading.Event().wait()\n"
         "layout.atomic_write(Path(sys.argv[1]) / layout.step_file_name(7), write, durable=False)\n"

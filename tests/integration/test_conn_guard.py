@@ -1,6 +1,7 @@
-"""The master's front door against descriptor exhaustion (master.conn_guard, master.rate_limits): the pure
-limiters with a fake clock, then a real ``EmbeddedMaster`` on 127.0.0.1 over raw sockets: the first-request
-timeout, a request in flight that outlives it, the connection cap, and the per-address 429 after repeated
+"""The master's front door against descriptor exhaustion (master.http.conn_guard, master.http.rate_limits):
+the pure limiters with a fake clock, then a real ``EmbeddedMaster`` on 127.0.0.1 over raw sockets: the
+first-request timeout, a request in flight that outlives it, the connection cap, and the per-address 429 after
+repeated
 wrong tokens that never touches a valid token."""
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import pytest
 from certs import LOCAL_NAMES, CertAuthority
 from embedded_masters import no_thread_left
 
-from elastic.job_settings import JobSettings
-from elastic.master_errors import Disposition, ErrorCode, disposition
-from elastic.protocol import JOB_HEADER
-from master.conn_guard import ResourceLogFilter, connection_cap
-from master.rate_limits import LogLimiter, PeerFailureLimiter
-from master.serving import EmbeddedMaster
-from master.settings import ServerSettings
+from elastic.control.error_table import Disposition, ErrorCode, disposition
+from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import JOB_HEADER
+from master.http.conn_guard import ResourceLogFilter, connection_cap
+from master.http.rate_limits import LogLimiter, PeerFailureLimiter
+from master.http.serving import EmbeddedMaster
+from master.service.settings import ServerSettings
 
 TOKEN = "guard-token"
 JOB_ID = "job-guard"

@@ -1,4 +1,4 @@
-"""The job state as records in a real etcd (master/etcd_state.py through ``EtcdStore``): a state of the
+"""The job state as records in a real etcd (master/store/etcd_state.py through ``EtcdStore``): a state of the
 previous release is read and converted, a save cut off half-way is never seen, a large save spans several
 fenced transactions, and the history is compacted."""
 
@@ -12,10 +12,10 @@ import aetcd
 import pytest
 from etcd_snapshots import job_snapshot, without
 
-from master import etcd_layout as layout
-from master import etcd_state
-from master.etcd_store import EtcdStore
-from master.store import StoreError
+from master.store import etcd_layout as layout
+from master.store import etcd_state
+from master.store.base import StoreError
+from master.store.etcd_store import EtcdStore
 
 pytestmark = pytest.mark.etcd
 

@@ -27,9 +27,9 @@ import httpx
 import pytest
 from etcd_server import EtcdServer, free_port
 
-from elastic.client import MasterClient
-from elastic.job_settings import JobSettings
-from elastic.protocol import (
+from elastic.control.client import MasterClient
+from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import (
     JOB_HEADER,
     NODE_SECRET_HEADER,
     Command,
@@ -39,13 +39,13 @@ from elastic.protocol import (
     NodeState,
     WorkerFailure,
 )
-from master import etcd_layout
-from master.credentials import hash_secret
-from master.etcd_store import EtcdStore
-from master.serving import EmbeddedMaster
-from master.settings import ServerSettings
-from master.store import StoreError
-from master.store_factory import check_store, open_store
+from master.http.serving import EmbeddedMaster
+from master.job.credentials import hash_secret
+from master.service.settings import ServerSettings
+from master.store import etcd_layout
+from master.store.base import StoreError
+from master.store.etcd_store import EtcdStore
+from master.store.factory import check_store, open_store
 
 pytestmark = pytest.mark.etcd
 
@@ -228,7 +228,7 @@ def test_three_campaigners_elect_exactly_one_at_a_time(etcd_endpoint: str):
 
 LEADER_SCRIPT = textwrap.dedent("""
     import asyncio, sys
-    from master.etcd_store import EtcdStore
+    from master.store.etcd_store import EtcdStore
 
     async def main():
         store = EtcdStore(sys.argv[1], sys.argv[2], lease_ttl_s=float(sys.argv[3]))

@@ -9,12 +9,12 @@ import uuid
 import pytest
 from e2e import wait_until
 
-from elastic.client import MasterClient
-from elastic.job_settings import JobSettings
-from elastic.protocol import JoinRequest
-from master.etcd_store import EtcdStore
-from master.serving import EmbeddedMaster
-from master.settings import ServerSettings
+from elastic.control.client import MasterClient
+from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import JoinRequest
+from master.http.serving import EmbeddedMaster
+from master.service.settings import ServerSettings
+from master.store.etcd_store import EtcdStore
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 

@@ -1,6 +1,7 @@
-"""Reused shared-memory segments of flash saves (elastic/segments.py, elastic/flash_save.py): the double
-buffer recycles the same inodes, a file under a reader is never recycled, a killed save leaves nothing
-torn, space errors name the sizes, and device copies finish in the background (a fake device).
+"""Reused shared-memory segments of flash saves (elastic/checkpoint/segments.py,
+elastic/checkpoint/flash_save.py): the double buffer recycles the same inodes, a file under a reader is never
+recycled, a killed save leaves nothing torn, space errors name the sizes, and device copies finish in the
+background (a fake device).
 
 Segments live in a real tmpfs folder under /dev/shm, removed at teardown with every mapping closed."""
 
@@ -20,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic import ckpt_layout as layout
-from elastic import flash_format, flash_save, segments
-from elastic.flash_save import AsyncSaveError, FlashWriter
+from elastic.checkpoint import flash_format, flash_save, layout, segments
+from elastic.checkpoint.flash_save import AsyncSaveError, FlashWriter
 
 REPO = Path(__file__).resolve().parents[2]
 PLENTY = 1 << 40
@@ -162,7 +162,7 @@ def test_a_save_that_fails_midway_leaves_the_newest_checkpoint_and_no_temp_file(
 _KILLED_CHILD = """
 import sys, threading, torch
 from pathlib import Path
-from elastic.flash_save import FlashWriter
+from elastic.checkpoint.flash_save import FlashWriter
 
 class Stuck:  # a device whose copies never finish: the save is killed while its file is a temp file
     def handles(self, device): return True

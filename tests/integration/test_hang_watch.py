@@ -1,4 +1,5 @@
-"""agent.hang.HangWatch on a real process: it sees a SIGSTOPped worker and forgets it once continued."""
+"""agent.observe.hang.HangWatch on a real process: it sees a SIGSTOPped worker and forgets it once
+continued."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.channel import RankProgress
-from agent.hang import HangWatch
+from agent.observe.channel import RankProgress
+from agent.observe.hang import HangWatch
 
 pytestmark = pytest.mark.timeout(30)
 

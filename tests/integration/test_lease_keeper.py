@@ -15,7 +15,7 @@ import uuid
 import aetcd
 import pytest
 
-from master.etcd_store import EtcdStore
+from master.store.etcd_store import EtcdStore
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(60)]
 

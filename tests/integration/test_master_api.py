@@ -21,9 +21,9 @@ import httpx
 import pytest
 from embedded_masters import EmbeddedMasters, no_thread_left
 
-from elastic.client import MasterClient, MasterRejectedError
-from elastic.job_settings import JobSettings
-from elastic.protocol import (
+from elastic.control.client import MasterClient, MasterRejectedError
+from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import (
     JOB_HEADER,
     LONG_POLL_CAP_S,
     MAX_BODY_BYTES,
@@ -37,9 +37,9 @@ from elastic.protocol import (
     NodeState,
     WorkerFailure,
 )
-from master.service import MasterService
-from master.serving import EmbeddedMaster
-from master.settings import ServerSettings
+from master.http.serving import EmbeddedMaster
+from master.service.service import MasterService
+from master.service.settings import ServerSettings
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,5 +1,6 @@
 """Step down before draining, supervised tasks and the stored state's schema version (issue 15), in
-process: a real :class:`master.service.MasterService` on its own event loop with an in-memory store and a
+process: a real :class:`master.service.service.MasterService` on its own event loop with an in-memory store
+and a
 fake clock. The same behaviours through real daemons and etcd: tests/e2e/test_master_stepdown_e2e.py."""
 
 from __future__ import annotations
@@ -9,15 +10,21 @@ import logging
 
 import pytest
 
-from elastic.job_settings import JobSettings
-from master.fault_hook import InjectedFault, tick_fault_from_env
-from master.http_errors import ApiError
-from master.job import Job
-from master.service import MasterService
-from master.settings import ServerSettings
-from master.state_schema import SCHEMA_KEY, SCHEMA_VERSION, UnreadableStateError, check_version, describe
-from master.store import MemoryStore, StateFormatError
-from master.supervision import MasterFailure, Supervisor
+from elastic.control.job_settings import JobSettings
+from master.http.errors import ApiError
+from master.job.job import Job
+from master.service.fault_hook import InjectedFault, tick_fault_from_env
+from master.service.service import MasterService
+from master.service.settings import ServerSettings
+from master.service.supervision import MasterFailure, Supervisor
+from master.store.base import MemoryStore, StateFormatError
+from master.store.state_schema import (
+    SCHEMA_KEY,
+    SCHEMA_VERSION,
+    UnreadableStateError,
+    check_version,
+    describe,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

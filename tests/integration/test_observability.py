@@ -16,16 +16,16 @@ from e2e import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from tools import require_tool
 
-from elastic.client import MasterClient
-from elastic.job_settings import JobSettings
-from elastic.protocol import HeartbeatRequest, JoinRequest, NodeState, WorkerFailure
-from master.event_log import EventLog
-from master.goodput import GoodputAccount
-from master.job import Job
-from master.job_events import Event
-from master.recovery_phases import RecoveryTracker
-from master.serving import EmbeddedMaster
-from master.settings import ServerSettings
+from elastic.control.client import MasterClient
+from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import HeartbeatRequest, JoinRequest, NodeState, WorkerFailure
+from master.http.serving import EmbeddedMaster
+from master.job.events import Event
+from master.job.goodput import GoodputAccount
+from master.job.job import Job
+from master.job.recovery_phases import RecoveryTracker
+from master.service.event_log import EventLog
+from master.service.settings import ServerSettings
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""The master's OpenAPI document (master/openapi.py): every operation lists every status it can return,
+"""The master's OpenAPI document (master/http/openapi.py): every operation lists every status it can return,
 each refusal with the error body and its codes, and the bearer scheme; the live ``/openapi.json`` (public,
 as before) is that document; and each refusal the document lists for the node API is one a real master
 (uvicorn on 127.0.0.1) really gives. That no master answers a status the document lacks is the fuzzer's
@@ -16,13 +16,13 @@ from e2e import wait_until
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from elastic.job_settings import JobSettings
-from elastic.protocol import API_PREFIX, JOB_HEADER, MAX_BODY_BYTES, NODE_SECRET_HEADER
-from master.openapi import BEARER, ERROR_SCHEMA, OPERATIONS, complete, describe, gated, uncovered
-from master.server import create_app
-from master.service import MasterService
-from master.serving import EmbeddedMaster
-from master.settings import ServerSettings
+from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import API_PREFIX, JOB_HEADER, MAX_BODY_BYTES, NODE_SECRET_HEADER
+from master.http.app import create_app
+from master.http.openapi import BEARER, ERROR_SCHEMA, OPERATIONS, complete, describe, gated, uncovered
+from master.http.serving import EmbeddedMaster
+from master.service.service import MasterService
+from master.service.settings import ServerSettings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -49,7 +49,7 @@ def operations(document: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, A
 
 
 def test_every_route_of_the_master_has_a_row():
-    """A new route fails here until master/openapi.py says what it can answer."""
+    """A new route fails here until master/http/openapi.py says what it can answer."""
     application = app()
     routes = {
         (method.lower(), route.path)
@@ -57,7 +57,7 @@ def test_every_route_of_the_master_has_a_row():
         if isinstance(route, APIRoute) and route.include_in_schema
         for method in route.methods
     }
-    assert routes - set(OPERATIONS) == set(), "add these routes to master/openapi.py OPERATIONS"
+    assert routes - set(OPERATIONS) == set(), "add these routes to master/http/openapi.py OPERATIONS"
     assert uncovered(application.openapi()) == []
     assert set(OPERATIONS) - routes == set(), "OPERATIONS lists routes the master no longer has"
 

@@ -1,4 +1,5 @@
-"""The agent's progress channel (agent.channel) over its real datagram socket: compute times and the done
+"""The agent's progress channel (agent.observe.channel) over its real datagram socket: compute times and the
+done
 flag of a worker's reports."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import socket
 import pytest
 from e2e import wait_until
 
-from agent.channel import ProgressChannel
+from agent.observe.channel import ProgressChannel
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,5 +1,6 @@
-"""Peer replication of sharded memory checkpoints (agent/replication.py, agent/replica_server.py,
-agent/replication_wire.py): a real listener and sender over loopback TCP, the receiver's layout and
+"""Peer replication of sharded memory checkpoints (agent/checkpoints/replication.py,
+agent/checkpoints/replica_server.py, agent/checkpoints/replication_wire.py): a real listener and sender over
+loopback TCP, the receiver's layout and
 hashes, authentication, a damaged transfer, the lag."""
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import pytest
 from e2e import wait_until
 from replication_saves import fake_save
 
-from agent.replica_server import ReplicaServer
-from agent.replication import Replicator
-from agent.replication_wire import Reader, mac, send_line
-from elastic import shard_layout as sl
+from agent.checkpoints.replica_server import ReplicaServer
+from agent.checkpoints.replication import Replicator
+from agent.checkpoints.replication_wire import Reader, mac, send_line
+from elastic.checkpoint import shard_layout as sl
 
 
 @pytest.fixture

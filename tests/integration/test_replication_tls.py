@@ -1,5 +1,6 @@
-"""Replication's one TLS rule (agent.replication_wire.tls_contexts): the listener serves TLS and the sender
-speaks it exactly when the agent has --tls-cert/--tls-key; an agent with only --tls-ca (it verifies the
+"""Replication's one TLS rule (agent.checkpoints.replication_wire.tls_contexts): the listener serves TLS and
+the sender speaks it exactly when the agent has --tls-cert/--tls-key; an agent with only --tls-ca (it verifies
+the
 master) replicates in plain TCP. Real certificates generated here, a real listener and sender."""
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ import pytest
 from certs import LOCAL_NAMES, CertAuthority
 from replication_saves import fake_save
 
-from agent.replica_server import ReplicaServer
-from agent.replication import Replicator
-from agent.replication_wire import TLS_RULE, tls_contexts
-from elastic import shard_layout as sl
-from elastic.tls import TLSConfigError
+from agent.checkpoints.replica_server import ReplicaServer
+from agent.checkpoints.replication import Replicator
+from agent.checkpoints.replication_wire import TLS_RULE, tls_contexts
+from elastic.checkpoint import shard_layout as sl
+from elastic.control.tls import TLSConfigError
 
 
 @pytest.fixture

@@ -39,10 +39,10 @@ def test_a_master_off_loopback_without_a_token_is_refused_before_any_connection(
 
 @pytest.mark.timeout(10)
 def test_the_status_table_escapes_what_nodes_sent() -> None:
-    from elastic.job_settings import JobSettings
-    from elastic.protocol import HeartbeatRequest, JoinRequest, NodeState
-    from master.job import Job
-    from master.status_view import render_status
+    from elastic.control.job_settings import JobSettings
+    from elastic.control.protocol import HeartbeatRequest, JoinRequest, NodeState
+    from master.cli.status_view import render_status
+    from master.job.job import Job
 
     job = Job(JobSettings(job_id="j", min_nodes=1, max_nodes=1, last_call_s=0.0), now=0.0)
     join = JoinRequest(node_id="a", host="h", nproc=1, store_port=2000, min_nodes=1, max_nodes=1)

@@ -1,6 +1,7 @@
-"""The keeper persisting sharded memory saves to --ckpt-dir (agent/sharded_persist.py, agent/ckpt_keeper.py):
-each node's part into the save's data folder, the step committed by whoever completes it, fenced by round,
-``latest`` never backwards, bounded pruning, also with a folder per node (no shared file system).
+"""The keeper persisting sharded memory saves to --ckpt-dir (agent/checkpoints/sharded_persist.py,
+agent/checkpoints/keeper.py): each node's part into the save's data folder, the step committed by whoever
+completes it, fenced by round, ``latest`` never backwards, bounded pruning, also with a folder per node (no
+shared file system).
 
 Saves are opaque bytes laid out as a sharded flash save leaves them in a node's shared memory."""
 
@@ -12,10 +13,11 @@ from pathlib import Path
 import pytest
 from e2e import wait_until
 
-from agent import ckpt_fence, sharded_persist
-from agent.ckpt_keeper import CheckpointKeeper
-from elastic import ckpt_layout as layout
-from elastic import shard_layout as sl
+from agent.checkpoints import fence as ckpt_fence
+from agent.checkpoints import sharded_persist
+from agent.checkpoints.keeper import CheckpointKeeper
+from elastic.checkpoint import layout
+from elastic.checkpoint import shard_layout as sl
 
 NODES = {"A": ["__0_0.distcp", "__1_0.distcp"], "B": ["__2_0.distcp", "__3_0.distcp"]}
 

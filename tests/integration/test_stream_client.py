@@ -1,7 +1,7 @@
-"""The agent's client (elastic.client.MasterClient) on the agent stream, against real masters: one connection
-carries heartbeats while a watch long-poll waits; a standby's 503 and a leader that steps down send the
-client to the next master; a killed master connection fails the pending call over at once; a master without
-the stream is spoken to over plain HTTP; TLS; ``ELASTIC_MASTER_STREAM=0``.
+"""The agent's client (elastic.control.client.MasterClient) on the agent stream, against real masters: one
+connection carries heartbeats while a watch long-poll waits; a standby's 503 and a leader that steps down send
+the client to the next master; a killed master connection fails the pending call over at once; a master
+without the stream is spoken to over plain HTTP; TLS; ``ELASTIC_MASTER_STREAM=0``.
 
 Connections are counted on this process's side (psutil): the client's sockets whose far end is a master's
 port. The fixture closes every client and stops every master, then checks that no thread is left."""
@@ -28,11 +28,11 @@ from e2e import wait_until
 from embedded_masters import EmbeddedMasters, no_thread_left
 from fake_nodes import RealMaster, start_master
 
-import elastic.stream_transport
-from elastic.client import MasterClient, MasterRejectedError, MasterUnreachableError
-from elastic.protocol import JOB_HEADER, Command, HeartbeatRequest, JoinRequest, NodeState
-from master.etcd_store import EtcdStore
-from master.serving import EmbeddedMaster
+import elastic.control.stream_transport
+from elastic.control.client import MasterClient, MasterRejectedError, MasterUnreachableError
+from elastic.control.protocol import JOB_HEADER, Command, HeartbeatRequest, JoinRequest, NodeState
+from master.http.serving import EmbeddedMaster
+from master.store.etcd_store import EtcdStore
 
 launch = e2e.launch
 
@@ -138,7 +138,7 @@ def test_elastic_master_stream_0_speaks_plain_http_one_connection_per_thread(mas
 def test_a_master_without_the_stream_is_spoken_to_over_http(masters, monkeypatch):
     # An older master answers ``GET /v1/stream`` 404: it has no such path. The same real master answers
     # 404 to an upgrade on a path it does not serve, so the client is pointed at one (its only change).
-    monkeypatch.setattr(elastic.stream_transport, "STREAM_PATH", "/v1/stream-of-a-later-release")
+    monkeypatch.setattr(elastic.control.stream_transport, "STREAM_PATH", "/v1/stream-of-a-later-release")
     master = masters.start()
     client = masters.client(master.address)
     assert client.info().job_id == masters.job_id

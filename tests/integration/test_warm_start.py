@@ -1,4 +1,5 @@
-"""Warm worker starts (agent.warm): a worker forked from the zygote must look exactly like an exec'd one.
+"""Warm worker starts (agent.warm.starter): a worker forked from the zygote must look exactly like an exec'd
+one.
 
 Most checks run in both modes (``exec``: today's Popen path; ``warm``: forked from a zygote that imported
 torch) and compare what the two workers saw. One zygote is shared by the module; tests that kill or
@@ -26,8 +27,8 @@ import psutil
 import pytest
 from e2e import gone, wait_until
 
-from agent.warm import PER_WORKER_VARIABLES, READY_WAIT_S, WarmLauncher, env_difference, parse_command
-from agent.workers import WorkerExit, WorkerGroup, WorkerSpec
+from agent.warm.starter import PER_WORKER_VARIABLES, READY_WAIT_S, WarmLauncher, env_difference, parse_command
+from agent.workers.group import WorkerExit, WorkerGroup, WorkerSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -54,8 +55,8 @@ def write(path: Path, code: str) -> Path:
 def contract_envs(nproc: int = 2, assignment: dict | None = None, **extra: str) -> list[dict[str, str]]:
     """torchrun's worker environments, built from BASE_ENV by the agent's own code: by default those of node
     rank 1 of 2 in round 3; ``assignment`` overrides fields of that round."""
-    from agent.envcontract import worker_envs
-    from elastic.protocol import Assignment
+    from agent.workers.environment import worker_envs
+    from elastic.control.protocol import Assignment
 
     fields: dict = dict(
         round=3,
@@ -478,7 +479,7 @@ def test_a_rank_that_comes_first_waits_for_rank_0s_store(
 ) -> None:
     """Warm workers of non-zero rank wait for rank 0's TCPStore to listen (torch's own retry would sleep
     up to 0.7 s); the process group still forms as it does for exec'd workers, which torch handles alone."""
-    from agent.net import free_port
+    from agent.executor.net import free_port
 
     single_node = dict(node_rank=0, nnodes=1, rank_offset=0, world_size=2, members=["a"])
     out = str(tmp_path / "rank{rank}.json")
@@ -523,7 +524,7 @@ def test_stop_ends_warm_workers_and_the_zygote_serves_the_next_start(
 def test_commands_the_warm_path_cannot_run_are_execd(
     groups: Callable[[str], WorkerGroup], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="agent.workers")
+    caplog.set_level(logging.INFO, logger="agent.workers.group")
     script = write(tmp_path / "ok.py", "print('ok')")
     group = groups("warm")
     cases = [
@@ -605,9 +606,9 @@ WORKER_WITH_GRANDCHILD = """
 
 FAKE_AGENT = """
     import json, os, sys, threading
-    from agent.reaper import Reaper
-    from agent.warm import WarmLauncher
-    from agent.workers import WorkerGroup, WorkerSpec
+    from agent.workers.reaper import Reaper
+    from agent.warm.starter import WarmLauncher
+    from agent.workers.group import WorkerGroup, WorkerSpec
 
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     reaper = Reaper() if sys.argv[1] == "reaper" else None
@@ -672,8 +673,8 @@ def test_nothing_survives_a_sigkilled_agent_with_warm_workers(
 def test_the_agent_never_imports_torch_and_starts_the_zygote_at_once() -> None:
     code = """
         import sys, time
-        import agent.cli
-        from agent.warm import WarmLauncher
+        import agent.cli.main
+        from agent.warm.starter import WarmLauncher
         started = time.monotonic()
         launcher = WarmLauncher()
         took = time.monotonic() - started
@@ -689,13 +690,13 @@ def test_the_agent_never_imports_torch_and_starts_the_zygote_at_once() -> None:
 
 
 def test_no_warm_start_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    import agent.cli
+    import agent.cli.main
 
     seen = []
-    monkeypatch.setattr(agent.cli, "run_agent", lambda settings, embed: seen.append(settings) or 0)
+    monkeypatch.setattr(agent.cli.main, "run_agent", lambda settings, embed: seen.append(settings) or 0)
     script = str(REPO_ROOT / "scripts" / "train_script.py")
     for args in (["--standalone", script], ["--standalone", "--no-warm-start", script]):
-        agent.cli.cli.main(args=args, prog_name="elastic-run", standalone_mode=False)
+        agent.cli.main.cli.main(args=args, prog_name="elastic-run", standalone_mode=False)
     assert [s.warm_start for s in seen] == [True, False]
 
 
@@ -715,7 +716,7 @@ def test_parse_command() -> None:
 
 
 def test_env_difference() -> None:
-    from agent.envcontract import CONTRACT
+    from agent.workers.environment import CONTRACT
 
     base = {"PATH": "/bin", "HOME": "/root", "PYTHONPATH": "/a"}
     assert set(CONTRACT) <= PER_WORKER_VARIABLES

@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 import elastic
-from elastic import checkpoint, distributed
-from elastic import ckpt_layout as layout
-from elastic.checkpoint import CheckpointError, load_latest, save
+from elastic import distributed
+from elastic.checkpoint import layout
+from elastic.checkpoint import replicated as checkpoint
+from elastic.checkpoint.replicated import CheckpointError, load_latest, save
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -252,7 +253,7 @@ def test_collectives_put_tensors_on_the_rank_gpu_for_nccl_and_on_the_cpu_otherwi
 
 
 def test_a_token_file_open_to_group_or_others_gets_a_warning(tmp_path) -> None:
-    from elastic.auth import create_token_file, loose_permissions_warning
+    from elastic.control.auth import create_token_file, loose_permissions_warning
 
     path = tmp_path / "tok"
     create_token_file(path)

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from e2e import gone, wait_until
 
-from agent.errors_file import message_from_stderr, read_error_file
-from agent.reaper import Reaper
-from agent.workers import WorkerExit, WorkerGroup, WorkerGroupError, WorkerSpec
+from agent.workers.errors_file import message_from_stderr, read_error_file
+from agent.workers.group import WorkerExit, WorkerGroup, WorkerGroupError, WorkerSpec
+from agent.workers.reaper import Reaper
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BASE_ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONUNBUFFERED": "1"}
@@ -388,8 +388,8 @@ def test_spec_is_validated() -> None:
 # -- the agent dies -----------------------------------------------------------------------------------------
 FAKE_AGENT = """
     import json, sys, threading
-    from agent.reaper import Reaper
-    from agent.workers import WorkerGroup, WorkerSpec
+    from agent.workers.reaper import Reaper
+    from agent.workers.group import WorkerGroup, WorkerSpec
 
     worker = '''
     import subprocess, sys, time
@@ -477,5 +477,7 @@ def test_reaper_spares_unregistered_groups(leftovers: list[int]) -> None:
 
 @pytest.mark.timeout(30)
 def test_the_agent_side_never_imports_torch() -> None:
-    code = "import sys, agent.workers, agent.reaper; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = (
+        "import sys, agent.workers.group, agent.workers.reaper; sys.exit(1 if 'torch' in sys.modules else 0)"
+    )
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=20).returncode == 0

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from agent import machine_events as ev
-from agent.machine import AgentMachine, AgentState, MachineConfig
-from elastic.protocol import Assignment, Command, CommandReply, Outcome
+from agent.machine import events as ev
+from agent.machine.decisions import AgentMachine, AgentState, MachineConfig
+from elastic.control.protocol import Assignment, Command, CommandReply, Outcome
 
 MASTER_TIMEOUT = 30.0
 FAILED = Outcome(succeeded=False, exit_code=1, summary="rank 3 failed: boom")
@@ -20,7 +20,7 @@ FAILED = Outcome(succeeded=False, exit_code=1, summary="rank 3 failed: boom")
 
 @dataclass(frozen=True)
 class FakeHang:
-    """What a hang verdict (agent.hang.Hang) carries, as the machine reads it."""
+    """What a hang verdict (agent.observe.hang.Hang) carries, as the machine reads it."""
 
     reason: str = "no progress for 30.0s"
     stalled_s: float = 30.0

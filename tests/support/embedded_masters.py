@@ -1,5 +1,5 @@
 """Real masters in this process for integration tests: :class:`EmbeddedMasters` starts
-``master.serving.EmbeddedMaster`` instances (uvicorn in a thread, 127.0.0.1, a port the OS picks) and
+``master.http.serving.EmbeddedMaster`` instances (uvicorn in a thread, 127.0.0.1, a port the OS picks) and
 closes, at the end of the test, every client it was handed and every master it started;
 :func:`no_thread_left` checks that the test left no thread behind."""
 
@@ -13,11 +13,11 @@ from typing import Any, ClassVar, Protocol, Self, TypeVar
 import httpx
 from e2e import wait_until
 
-from elastic.job_settings import JobSettings
-from elastic.protocol import JOB_HEADER
-from master.serving import EmbeddedMaster
-from master.settings import ServerSettings
-from master.store import StateStore
+from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import JOB_HEADER
+from master.http.serving import EmbeddedMaster
+from master.service.settings import ServerSettings
+from master.store.base import StateStore
 
 
 class _Closable(Protocol):

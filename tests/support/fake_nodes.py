@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 from e2e import elastic_master_argv
 
-from elastic.protocol import API_PREFIX, JOB_HEADER
+from elastic.control.protocol import API_PREFIX, JOB_HEADER
 
 #: Seconds a master process gets to start listening.
 START_S = 60.0

@@ -1,14 +1,14 @@
-"""A real ``master.job.Job`` on a fake clock for the health tests (stragglers, node check, status table):
+"""A real ``master.job.job.Job`` on a fake clock for the health tests (stragglers, node check, status table):
 nodes joined, heartbeats with worker progress, node-check results."""
 
 from __future__ import annotations
 
 import job_calls as calls
 
-from elastic.job_settings import JobSettings
-from elastic.protocol import HeartbeatRequest, JoinRequest, NodeCheckResult, NodeState, WorkerProgress
-from master.job import Job
-from master.rendezvous import Phase
+from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import HeartbeatRequest, JoinRequest, NodeCheckResult, NodeState, WorkerProgress
+from master.job.job import Job
+from master.job.rendezvous import Phase
 
 
 def make_job(**overrides) -> Job:

@@ -1,20 +1,20 @@
-"""Builders of real ``master.job.Job`` instances on a fake clock, shared by the job's unit tests: a job
+"""Builders of real ``master.job.job.Job`` instances on a fake clock, shared by the job's unit tests: a job
 with short timeouts, join requests, running rounds, heartbeats, crashes and the event kinds it emitted."""
 
 from __future__ import annotations
 
 import job_calls as calls
 
-from elastic.job_settings import JobSettings
-from elastic.protocol import (
+from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import (
     Command,
     HeartbeatRequest,
     JoinRequest,
     NodeState,
     WorkerFailure,
 )
-from master.job import Job
-from master.rendezvous import Phase
+from master.job.job import Job
+from master.job.rendezvous import Phase
 
 HB_TIMEOUT = 4.0
 LAST_CALL = 2.0

@@ -1,4 +1,4 @@
-"""Calls of :class:`master.job.Job` made the way one agent per node id makes them, for unit tests of the
+"""Calls of :class:`master.job.job.Job` made the way one agent per node id makes them, for unit tests of the
 job state machine: a node's join sends the secret its previous join returned (a rejoin of the same
 incarnation), and every later call for the node sends it too (``X-Elastic-Node-Secret`` on the wire).
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from weakref import WeakKeyDictionary
 
-from elastic.protocol import CommandReply, HeartbeatRequest, JoinReply, JoinRequest, RoundReply
-from master.job import Job
+from elastic.control.protocol import CommandReply, HeartbeatRequest, JoinReply, JoinRequest, RoundReply
+from master.job.job import Job
 
 _SECRETS: WeakKeyDictionary[Job, dict[str, str]] = WeakKeyDictionary()
 

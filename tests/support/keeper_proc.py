@@ -4,8 +4,8 @@ seen from the test process: its own pid, its own locks).
     python tests/support/keeper_proc.py ROOT JOB NODE [--ckpt-dir DIR --step S --round R --delay SECONDS]
                                               [--exit-without-stop]
 
-Starts a :class:`agent.ckpt_keeper.CheckpointKeeper` in ROOT and prints ``folder PATH``. With ``--step`` it
-writes a checkpoint of step S into its folder the way a worker does, asks for its persist to DIR
+Starts a :class:`agent.checkpoints.keeper.CheckpointKeeper` in ROOT and prints ``folder PATH``. With
+``--step`` it writes a checkpoint of step S into its folder the way a worker does, asks for its persist to DIR
 (round R; ``--delay``: the persist pauses mid-copy, as ``ELASTIC_PERSIST_DELAY_S``) and prints
 ``requested``. With ``--exit-without-stop`` it then ends at once, leaving its folder behind (its parent
 may keep it a zombie); else it waits for a line (or EOF) on stdin, stops the keeper (the stop ends the
@@ -19,8 +19,8 @@ import os
 import sys
 from pathlib import Path
 
-from agent.ckpt_keeper import CheckpointKeeper
-from elastic import ckpt_layout as layout
+from agent.checkpoints.keeper import CheckpointKeeper
+from elastic.checkpoint import layout
 
 
 def main() -> None:

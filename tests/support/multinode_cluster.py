@@ -18,7 +18,7 @@ from e2e import (
     wait_until,
 )
 
-from elastic.protocol import API_PREFIX, JOB_HEADER
+from elastic.control.protocol import API_PREFIX, JOB_HEADER
 
 TOKEN = "multinode-test-token"
 HEARTBEAT_INTERVAL_S = 0.5
@@ -147,7 +147,7 @@ def remember_workers(*agents: Proc) -> None:
 def assert_succeeded(*agents: Proc) -> None:
     for agent in agents:
         code = agent.wait(EXIT_S)
-        assert code == 0, f"{agent.log.name} exited {code}:\n{agent.output()[-4000:]}"
+        assert code == 0, f"{agent.log.name} exited {code}:\n{agent.workers.output()[-4000:]}"
         assert "job succeeded" in agent.output()
 
 

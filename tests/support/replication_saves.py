@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elastic import shard_layout as sl
+from elastic.checkpoint import shard_layout as sl
 
 
 def fake_save(folder: Path, step: int, save_id: str, payload: bytes) -> Path:

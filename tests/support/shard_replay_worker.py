@@ -25,7 +25,7 @@ def main() -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     import elastic
-    from elastic import shard_save
+    from elastic.checkpoint import shard_save
 
     torch.set_num_threads(1)
     elastic.init_process_group()

@@ -10,7 +10,13 @@ import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.protocol import JOB_HEADER, PROTOCOL_HEADER, PROTOCOL_VERSION, STREAM_PATH, STREAM_UPGRADE
+from elastic.control.protocol import (
+    JOB_HEADER,
+    PROTOCOL_HEADER,
+    PROTOCOL_VERSION,
+    STREAM_PATH,
+    STREAM_UPGRADE,
+)
 
 
 def upgrade_request(

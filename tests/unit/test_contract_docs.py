@@ -8,10 +8,10 @@ import dataclasses
 import re
 from pathlib import Path
 
-from agent.zygote_ops import MESSAGES, ZygoteOp
+from agent.warm.zygote_ops import MESSAGES, ZygoteOp
 from elastic import contract
 from elastic.contract import WIRE_KEYS, ProgressKind
-from elastic.master_errors import ERROR_TABLE, ErrorCode
+from elastic.control.error_table import ERROR_TABLE, ErrorCode
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import click
 import pytest
 
-from agent.cli import cli as run_cli
-from master.cli import cli as master_cli
+from agent.cli.main import cli as run_cli
+from master.cli.main import cli as master_cli
 
 REPO = Path(__file__).resolve().parents[2]
 CLI_DOC = REPO / "docs" / "cli.md"

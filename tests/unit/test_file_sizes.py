@@ -1,7 +1,8 @@
-"""Small modules: no source file in the packages (``elastic/``, ``master/``, ``agent/``) is over 400 lines.
+"""A backstop, not a design rule: no source file in the packages (``elastic/``, ``master/``, ``agent/``) is
+over 1,000 lines.
 
-A file that grows past the limit is split by concern (as ``master/job.py`` and ``agent/cli.py`` were), not
-exempted here."""
+Size is a review question answered by cohesion (one concept, one module): a module is never split to meet
+a number. A file that reaches the backstop has usually grown a second concept; move that one out."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("elastic", "master", "agent")
-MAX_LINES = 400
-#: Hand-written sources: Python modules and the status page's assets (master/ui_assets).
+MAX_LINES = 1000
+#: Hand-written sources: Python modules and the status page's assets (master/http/ui_assets).
 SOURCE_SUFFIXES = {".py", ".js", ".html", ".css"}
 
 
@@ -30,10 +31,10 @@ def oversized(root: Path, packages: tuple[str, ...] = PACKAGES, limit: int = MAX
 
 
 @pytest.mark.timeout(30)
-def test_no_package_file_is_over_400_lines():
+def test_no_package_file_is_over_the_backstop():
     offenders = oversized(REPO)
     listing = ", ".join(f"{path} ({lines} lines)" for path, lines in offenders.items())
-    assert not offenders, f"over {MAX_LINES} lines, split by concern: {listing}"
+    assert not offenders, f"over {MAX_LINES} lines, move its second concept out: {listing}"
 
 
 @pytest.mark.timeout(30)

@@ -1,5 +1,6 @@
-"""Every listener elastic-run has is in ``elastic.listener_rules.LISTENERS`` (and so in docs/security.md's
-table): a ``Listener`` defined anywhere in the packages must be one of the table's, and every
+"""Every listener elastic-run has is in ``elastic.control.listener_rules.LISTENERS`` (and so in
+docs/security.md's table): a ``Listener`` defined anywhere in the packages must be one of the table's, and
+every
 ``check_listener`` call names one of them."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.listener_rules import LISTENERS, Listener
+from elastic.control.listener_rules import LISTENERS, Listener
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("agent", "master", "elastic")
@@ -68,14 +69,16 @@ def checked_listeners() -> list[tuple[str, str]]:
 @pytest.mark.timeout(30)
 def test_every_listener_defined_in_the_packages_is_in_the_table() -> None:
     definitions = defined_listeners()
-    assert ("elastic.listener_rules", "MASTER_API") in definitions, "the scan finds the table's own"
+    assert ("elastic.control.listener_rules", "MASTER_API") in definitions, "the scan finds the table's own"
     for module, name in definitions:
-        assert name is not None, f"{module} builds a Listener inline: define it in elastic/listener_rules.py"
+        assert name is not None, (
+            f"{module} builds a Listener inline: define it in elastic/control/listener_rules.py"
+        )
         value = getattr(importlib.import_module(module), name)
         assert isinstance(value, Listener)
         assert value in LISTENERS, (
-            f"{module}.{name} ({value.name!r}) is not in elastic.listener_rules.LISTENERS: define the "
-            "listener there (and add its row to docs/security.md)"
+            f"{module}.{name} ({value.name!r}) is not in elastic.control.listener_rules.LISTENERS: "
+            "define the listener there (and add its row to docs/security.md)"
         )
 
 
@@ -84,7 +87,7 @@ def test_every_checked_listener_is_in_the_table() -> None:
     calls = checked_listeners()
     assert calls, "the scan finds the check_listener calls"
     for module, expression in calls:
-        if module == "elastic.listener_rules":
+        if module == "elastic.control.listener_rules":
             continue  # the definition itself
         value = getattr(importlib.import_module(module), expression.split(".")[-1], None)
         assert value in LISTENERS, f"{module} checks {expression}, which is not in LISTENERS"

@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("elastic", "master", "agent")
 #: The one place the agent may import the master: to embed it (standalone and convenience mode).
-AGENT_EMBEDS_MASTER_IN = {"agent.bootstrap"}
+AGENT_EMBEDS_MASTER_IN = {"agent.cli.bootstrap"}
 
 
 def _module_name(path: Path) -> str:
@@ -86,11 +86,11 @@ def test_no_module_import_cycles() -> None:
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
-#: The agent's decisions are a pure state machine (agent.machine): the standard library, minus anything
-#: that waits, spawns or talks, and the wire models; the executor (agent.loop) does all I/O.
+#: The agent's decisions are a pure state machine (agent.machine.decisions): the standard library, minus
+#: anything that waits, spawns or talks, and the wire models; the executor (agent.executor.loop) does all I/O.
 PURE_AGENT_MODULES = {
-    "agent.machine": {"agent.machine_events", "elastic.protocol"},
-    "agent.machine_events": {"elastic.protocol"},
+    "agent.machine.decisions": {"agent.machine.events", "elastic.control.protocol"},
+    "agent.machine.events": {"elastic.control.protocol"},
 }
 IO_MODULES = {"asyncio", "os", "queue", "selectors", "socket", "subprocess", "threading", "time"}
 

@@ -1,4 +1,4 @@
-"""Unit tests of the agent's decisions (``agent.machine.AgentMachine``) with a fake clock.
+"""Unit tests of the agent's decisions (``agent.machine.decisions.AgentMachine``) with a fake clock.
 
 The machine is pure: these tests feed it events and read the actions it returns; no thread, process,
 socket or sleep is started (the ``no_io`` fixture makes any of them fail the test). The table test at
@@ -25,10 +25,10 @@ from agent_machine_fakes import (
     training,
 )
 
-from agent import machine_events as ev
-from agent.machine import CHECK_TIMEOUT_S, FORGOTTEN, SUCCESS, AgentState
-from agent.machine_events import EventKind
-from elastic.protocol import Command, NodeCheckResult, Outcome
+from agent.machine import events as ev
+from agent.machine.decisions import CHECK_TIMEOUT_S, FORGOTTEN, SUCCESS, AgentState
+from agent.machine.events import EventKind
+from elastic.control.protocol import Command, NodeCheckResult, Outcome
 
 pytestmark = [pytest.mark.timeout(10), pytest.mark.usefixtures("no_io")]
 
@@ -260,7 +260,7 @@ def test_every_event_kind_has_exactly_one_event_class() -> None:
 
 
 def test_the_executor_performs_every_action() -> None:
-    from agent.loop import ElasticAgent, performer_name
+    from agent.executor.loop import ElasticAgent, performer_name
 
     missing = [a.__name__ for a in get_args(ev.Action) if a is not ev.Exit]
     missing = [name for name in missing if not hasattr(ElasticAgent, performer_name(getattr(ev, name)))]

@@ -1,8 +1,8 @@
-"""Every (agent state, event kind) pair of agent.machine, with its expected actions written out.
+"""Every (agent state, event kind) pair of agent.machine.decisions, with its expected actions written out.
 
 The table has one row per :class:`AgentState` and, in it, one entry per :class:`EventKind`: the action
 types the machine must return for the sample event of that kind, or ``IGNORED`` (the machine returns a
-single :class:`~agent.machine_events.Ignored`). A new state or event kind without its entries fails
+single :class:`~agent.machine.events.Ignored`). A new state or event kind without its entries fails
 :func:`test_the_table_names_every_state_and_event_kind`. No thread, process, socket or sleep is started.
 """
 
@@ -23,10 +23,10 @@ from agent_machine_fakes import (
     reply,
 )
 
-from agent import machine_events as ev
-from agent.machine import AgentMachine, AgentState
-from agent.machine_events import EventKind
-from elastic.protocol import Command, NodeCheckResult
+from agent.machine import events as ev
+from agent.machine.decisions import AgentMachine, AgentState
+from agent.machine.events import EventKind
+from elastic.control.protocol import Command, NodeCheckResult
 
 pytestmark = [pytest.mark.timeout(10), pytest.mark.usefixtures("no_io")]
 

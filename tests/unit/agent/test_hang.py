@@ -1,4 +1,5 @@
-"""Hang verdicts (agent.hang): which workers are hung, why, and in which order, from their observations
+"""Hang verdicts (agent.observe.hang): which workers are hung, why, and in which order, from their
+observations
 and a fake clock."""
 
 from __future__ import annotations
@@ -6,8 +7,8 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from agent.channel import RankProgress
-from agent.hang import Hang, HangWatch, WorkerObservation, hung_workers
+from agent.observe.channel import RankProgress
+from agent.observe.hang import Hang, HangWatch, WorkerObservation, hung_workers
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,5 @@
-"""agent.inprocess_hub against the worker's real end (elastic.inprocess_link) over a real Unix socket."""
+"""agent.executor.inprocess_hub against the worker's real end (elastic.inprocess.link) over a real Unix
+socket."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from agent.inprocess_hub import InProcessHub
+from agent.executor.inprocess_hub import InProcessHub
 from elastic import contract
-from elastic.inprocess_link import AgentGone, AgentLink
+from elastic.inprocess.link import AgentGone, AgentLink
 
 pytestmark = pytest.mark.timeout(30)
 

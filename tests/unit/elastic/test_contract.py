@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from agent import zygote_ops as ops
+from agent.warm import zygote_ops as ops
 from elastic.contract import MalformedDatagram, Progress, ProgressKind
 
 

@@ -9,21 +9,21 @@ import pkgutil
 
 import pytest
 
+from elastic.control.error_table import ERROR_TABLE, Disposition, ErrorCode, MasterRejectedError, disposition
 from elastic.errors import ElasticRunError
-from elastic.master_errors import ERROR_TABLE, Disposition, ErrorCode, MasterRejectedError, disposition
 
 PACKAGES = ("elastic", "agent", "master")
 #: Exceptions that may not derive from the root, and why.
 OUTSIDE_THE_ROOT = {
-    # Standard library only: it is part of the warm-start zygote's source bundle (agent.zygote_bundle).
-    "agent.zygote_ops.MalformedMessage",
+    # Standard library only: it is part of the warm-start zygote's source bundle (agent.warm.bundle).
+    "agent.warm.zygote_ops.MalformedMessage",
     # Private: caught where it is raised and turned into TLSConfigError.
-    "elastic.tls._EncryptedKeyError",
+    "elastic.control.tls._EncryptedKeyError",
     # A test hook that simulates a crash of the master's tick; nothing may handle it as an expected error.
-    "master.fault_hook.InjectedFault",
+    "master.service.fault_hook.InjectedFault",
     # Control flow, not an error: elastic.inprocess.run catches it; a script's handler of our errors must
     # not swallow it.
-    "elastic.inprocess.WorldChanged",
+    "elastic.inprocess.recovery.WorldChanged",
 }
 #: Not yet re-based onto the root (their modules are being rewritten; named without their module, which
 #: moves); remove each one once it is.
@@ -36,10 +36,11 @@ PENDING = {
 def _exception_classes() -> dict[str, type[BaseException]]:
     found = {}
     for package in PACKAGES:
-        for module_info in pkgutil.iter_modules(importlib.import_module(package).__path__):
-            if module_info.name == "__main__":
+        root = importlib.import_module(package)
+        for module_info in pkgutil.walk_packages(root.__path__, prefix=f"{package}."):
+            name = module_info.name
+            if name.endswith(".__main__"):
                 continue
-            name = f"{package}.{module_info.name}"
             module = importlib.import_module(name)
             for attr, value in vars(module).items():
                 if inspect.isclass(value) and issubclass(value, BaseException) and value.__module__ == name:

@@ -1,4 +1,5 @@
-"""The raw format of flash checkpoints (elastic/flash_format.py): round trips of real states, storage
+"""The raw format of flash checkpoints (elastic/checkpoint/flash_format.py): round trips of real states,
+storage
 sharing, safe rejection of torn or forged files, and the torch.save files it must keep loading."""
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from elastic import checkpoint, flash_format, flash_save, restore
-from elastic import ckpt_layout as layout
-from elastic.flash_format import HEADER, MAGIC, TRAILER_SIZE
+from elastic.checkpoint import flash_format, flash_save, layout, restore
+from elastic.checkpoint import replicated as checkpoint
+from elastic.checkpoint.flash_format import HEADER, MAGIC, TRAILER_SIZE
 
 
 def flash_bytes(state: dict, step: int = 7) -> bytes:

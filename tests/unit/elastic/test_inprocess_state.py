@@ -1,4 +1,4 @@
-"""elastic.inprocess_state: the committed step in memory (undo of a broken step) and who sends it."""
+"""elastic.inprocess.state: the committed step in memory (undo of a broken step) and who sends it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from elastic.inprocess_state import Committed, plan
+from elastic.inprocess.state import Committed, plan
 from elastic.sampler import ElasticSampler
 
 

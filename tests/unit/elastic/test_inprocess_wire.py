@@ -1,4 +1,4 @@
-"""elastic.inprocess_wire: one JSON message per line, split however the stream delivers it."""
+"""elastic.inprocess.wire: one JSON message per line, split however the stream delivers it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from elastic import inprocess_wire as wire
+from elastic.inprocess import wire
 
 
 def test_messages_split_across_chunks_are_read_whole_and_in_order() -> None:

@@ -1,4 +1,4 @@
-"""The rules every listener follows (elastic.listener_rules): loopback anything, off loopback a secret
+"""The rules every listener follows (elastic.control.listener_rules): loopback anything, off loopback a secret
 unless the operator opts in, and a warning without TLS; docs/security.md lists every listener."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.listener_rules import (
+from elastic.control.listener_rules import (
     LISTENERS,
     MASTER_API,
     Auth,

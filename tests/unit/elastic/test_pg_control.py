@@ -1,4 +1,5 @@
-"""elastic.pg_control: releasing and dropping a broken group, per backend, through a fake DistApi (the
+"""elastic.inprocess.pg_control: releasing and dropping a broken group, per backend, through a fake DistApi
+(the
 NCCL path is not run on a GPU here), and the gloo release on real sockets."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import socket
 import threading
 
 from elastic.contract import NCCL_ASYNC_ERROR_HANDLING
-from elastic.pg_control import NCCL_CLEANUP_ONLY, GroupControl, shutdown_inet_sockets, socket_links
+from elastic.inprocess.pg_control import NCCL_CLEANUP_ONLY, GroupControl, shutdown_inet_sockets, socket_links
 
 
 class FakeDist:

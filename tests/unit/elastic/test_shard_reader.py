@@ -1,4 +1,5 @@
-"""The mapped DCP reader (elastic.shard_reader): restores read tensors straight from the mapped files."""
+"""The mapped DCP reader (elastic.checkpoint.shard_reader): restores read tensors straight from the mapped
+files."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elastic.shard_reader import MappedReader, record_tensor
+from elastic.checkpoint.shard_reader import MappedReader, record_tensor
 
 
 def _mapped_record(tmp_path: Path, value: object, offset: int) -> tuple[mmap.mmap, memoryview, int]:

@@ -1,5 +1,6 @@
-"""The agent stream's client connection (elastic.stream_client) without a master: a socket pair whose far end
-the test speaks frames on, so that the order of replies, late replies and a lost connection are the test's
+"""The agent stream's client connection (elastic.control.stream_client) without a master: a socket pair whose
+far end the test speaks frames on, so that the order of replies, late replies and a lost connection are the
+test's
 to choose. The real master's side of the same conversation: tests/integration/test_stream_client.py."""
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from elastic.master_streams import stream_wanted
-from elastic.protocol import STREAM_MAX_FRAME_BYTES
-from elastic.stream_client import (
+from elastic.control.protocol import STREAM_MAX_FRAME_BYTES
+from elastic.control.stream_client import (
     StreamConnection,
     StreamFrameTooLarge,
     StreamLost,
     StreamTimeout,
     encode_call,
 )
-from elastic.stream_transport import _Plain
+from elastic.control.stream_transport import _Plain
+from elastic.control.streams import stream_wanted
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,5 @@
-"""The etcd record layout of a job snapshot (master/etcd_layout.py): a round trip, and a save that writes
+"""The etcd record layout of a job snapshot (master/store/etcd_layout.py): a round trip, and a save that
+writes
 what changed, as many bytes for a node leaving a 1,000-node job as for one leaving a 100-node job."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import pytest
 from etcd_snapshots import job_snapshot, without
 
-from master import etcd_layout as layout
+from master.store import etcd_layout as layout
 
 
 def plan_bytes(old: dict, new: dict) -> int:

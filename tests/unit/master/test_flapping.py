@@ -1,5 +1,6 @@
-"""Flapping nodes (``master.flapping`` and its hooks in ``master.job``) with a fake clock: a node id lost
-more than ``--flap-limit`` times within ``--flap-window`` is excluded until ``--flap-cooldown`` ends or an
+"""Flapping nodes (``master.job.flapping`` and its hooks in ``master.job.job``) with a fake clock: a node id
+lost more than ``--flap-limit`` times within ``--flap-window`` is excluded until ``--flap-cooldown`` ends or
+an
 operator re-admits it; the counters and exclusions are durable (snapshot/restore, write-ahead effects)."""
 
 from __future__ import annotations
@@ -8,13 +9,13 @@ import job_calls as calls
 import pytest
 from job_builders import HB_TIMEOUT, LAST_CALL, join, join_req, kinds, make_job, new_kinds, running
 
-from elastic.job_settings import JobSettings, SettingsError
-from elastic.protocol import Command, HeartbeatRequest, NodeState
-from master.flapping import FlapCounter, FlapPolicy
-from master.job import Job
-from master.job_errors import NodeExcludedError, UnknownNodeError
-from master.rendezvous import Phase
-from master.status_view import render_status
+from elastic.control.job_settings import JobSettings, SettingsError
+from elastic.control.protocol import Command, HeartbeatRequest, NodeState
+from master.cli.status_view import render_status
+from master.job.errors import NodeExcludedError, UnknownNodeError
+from master.job.flapping import FlapCounter, FlapPolicy
+from master.job.job import Job
+from master.job.rendezvous import Phase
 
 pytestmark = pytest.mark.timeout(10)
 

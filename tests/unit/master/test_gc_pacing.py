@@ -1,4 +1,4 @@
-"""master.gc_pacing: CPython starts no full collection of its own while the pacer runs, the pacer's
+"""master.service.gc_pacing: CPython starts no full collection of its own while the pacer runs, the pacer's
 periodic one frees cyclic garbage, and stopping gives CPython its thresholds back. In a child interpreter:
 the thresholds are process-wide."""
 
@@ -13,7 +13,7 @@ import pytest
 SCRIPT = textwrap.dedent(
     """
     import gc, weakref
-    from master.gc_pacing import NEVER, GcPacer
+    from master.service.gc_pacing import NEVER, GcPacer
 
     class Node:
         pass

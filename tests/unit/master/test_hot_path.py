@@ -19,11 +19,11 @@ import job_calls as calls
 import pytest
 from job_builders import HB_TIMEOUT, beat, crash, join, make_job, running
 
-from elastic.protocol import Command, HeartbeatRequest, NodeState, WorkerProgress
-from master.flapping import FlapCounter, FlapPolicy
-from master.job import Job
-from master.rendezvous import Phase
-from master.step_floor import StepFloor
+from elastic.control.protocol import Command, HeartbeatRequest, NodeState, WorkerProgress
+from master.job.flapping import FlapCounter, FlapPolicy
+from master.job.job import Job
+from master.job.rendezvous import Phase
+from master.job.step_floor import StepFloor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -208,7 +208,7 @@ def test_a_tick_after_many_losses_looks_only_at_the_losses_that_leave_the_window
     assert lines[SMALL] == lines[LARGE], f"lines run per tick by counters held: {lines}"
 
 
-# -- the committed step's floor (master.step_floor) -----------------------------------------------------
+# -- the committed step's floor (master.job.step_floor) -----------------------------------------------------
 def test_the_floor_is_the_smallest_step_once_every_member_reported_one():
     floor = StepFloor()
     floor.reset(["a", "b", "c"])

@@ -1,4 +1,4 @@
-"""Unit tests of the job state machine (``master.job.Job``) with a fake clock and the wire request models.
+"""Unit tests of the job state machine (``master.job.job.Job``) with a fake clock and the wire request models.
 
 Every transition is also checked in ``job.events``: the server logs those and the status view reads them.
 """
@@ -21,14 +21,14 @@ from job_builders import (
     running,
 )
 
-from elastic.protocol import (
+from elastic.control.protocol import (
     Command,
     HeartbeatRequest,
     NodeState,
 )
-from master.job import Job
-from master.job_errors import SettingsMismatchError, UnknownNodeError
-from master.rendezvous import Phase
+from master.job.errors import SettingsMismatchError, UnknownNodeError
+from master.job.job import Job
+from master.job.rendezvous import Phase
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -174,7 +174,7 @@ def test_restart_budget_exhausted_fails_the_job_and_every_node_is_told_to_stop()
     assert "killed by the OOM killer" in outcome.summary
     assert "max restarts 1" in outcome.summary and "2 attempt(s)" in outcome.summary
     assert job.restart_count == 1, "the budget is not overdrawn"
-    # The members' rejoins for the restart round are no events (the same agents back: master.job.join).
+    # The members' rejoins for the restart round are no events (the same agents back: master.job.job.join).
     expected = ["worker_failed", "round_opened", "job_failed"]
     assert new_kinds(job, mark) == expected
     assert job.events[-1].message == outcome.summary

@@ -1,4 +1,4 @@
-"""Unit tests of the job's effects (``master.job_effects``) and of round identity ``(term, number)``.
+"""Unit tests of the job's effects (``master.job.effects``) and of round identity ``(term, number)``.
 
 A mutation's effects tell the server what to do: which events to log, whether durable state changed (the
 store must hold it before a reply reveals it: write-ahead) and whether pending long-polls must be woken.
@@ -11,9 +11,9 @@ import job_calls as calls
 import pytest
 from job_builders import beat, crash, join, make_job, running
 
-from elastic.protocol import Command, HeartbeatRequest, NodeState, WorkerProgress
-from master.job import Job
-from master.job_effects import Effects
+from elastic.control.protocol import Command, HeartbeatRequest, NodeState, WorkerProgress
+from master.job.effects import Effects
+from master.job.job import Job
 
 pytestmark = pytest.mark.timeout(10)
 

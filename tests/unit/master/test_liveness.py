@@ -1,10 +1,10 @@
-"""Unit tests of node liveness (``master.liveness.Liveness``) with a fake clock."""
+"""Unit tests of node liveness (``master.job.liveness.Liveness``) with a fake clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from master.liveness import Liveness
+from master.job.liveness import Liveness
 
 pytestmark = pytest.mark.timeout(10)
 

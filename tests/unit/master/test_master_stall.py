@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from job_builders import HB_TIMEOUT, beat, make_job, running
 
-from master.service import STALL_S, MasterService
-from master.settings import ServerSettings
+from master.service.service import STALL_S, MasterService
+from master.service.settings import ServerSettings
 
 
 def leading_service(clock: list[float]) -> MasterService:

@@ -1,4 +1,5 @@
-"""Node-check verdicts (master.node_check) and the check round through master.job with a fake clock; the
+"""Node-check verdicts (master.job.node_check) and the check round through master.job.job with a fake clock;
+the
 settings that configure it."""
 
 from __future__ import annotations
@@ -9,11 +10,11 @@ import job_calls as calls
 import pytest
 from health_jobs import beat, check, join_all, make_job
 
-from elastic.job_settings import JobSettings, SettingsError
-from elastic.protocol import Command, JoinRequest, NodeCheckResult
-from master.job import Job
-from master.job_errors import NodeExcludedError
-from master.node_check import judge
+from elastic.control.job_settings import JobSettings, SettingsError
+from elastic.control.protocol import Command, JoinRequest, NodeCheckResult
+from master.job.errors import NodeExcludedError
+from master.job.job import Job
+from master.job.node_check import judge
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,8 +1,8 @@
-"""Node credentials (``master.credentials`` and their use in ``master.job.Job``), with a fake clock: one
-secret per node incarnation, returned by its join and required on every later request for the node; a
+"""Node credentials (``master.job.credentials`` and their use in ``master.job.job.Job``), with a fake clock:
+one secret per node incarnation, returned by its join and required on every later request for the node; a
 join under a live node's id without its secret is a duplicate; a dead, departed or disconnected
 incarnation is replaced by the next join; the job stores hashes only, and they survive a takeover.
-And the agent's side of the contract: the error table (``elastic.master_errors``)."""
+And the agent's side of the contract: the error table (``elastic.control.error_table``)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import re
 
 import pytest
 
-from elastic.job_settings import JobSettings
-from elastic.master_errors import Disposition, disposition
-from elastic.protocol import Command, HeartbeatRequest, JoinRequest, NodeState, WorkerFailure
-from master.credentials import JoinKind, hash_secret, judge_join, matches, new_secret
-from master.http_errors import http_status
-from master.job import Job
-from master.job_errors import BadNodeSecretError, DuplicateNodeError, UnknownNodeError
-from master.rendezvous import Phase
+from elastic.control.error_table import Disposition, disposition
+from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import Command, HeartbeatRequest, JoinRequest, NodeState, WorkerFailure
+from master.http.errors import http_status
+from master.job.credentials import JoinKind, hash_secret, judge_join, matches, new_secret
+from master.job.errors import BadNodeSecretError, DuplicateNodeError, UnknownNodeError
+from master.job.job import Job
+from master.job.rendezvous import Phase
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -302,9 +302,9 @@ def test_the_error_table_says_what_an_agent_does(status: int, code: str, expecte
 
 
 def test_every_error_the_job_raises_is_in_the_error_table() -> None:
-    from elastic.master_errors import ERROR_TABLE
-    from master import job_errors
-    from master.http_errors import HTTP_STATUS
+    from elastic.control.error_table import ERROR_TABLE
+    from master.http.errors import HTTP_STATUS
+    from master.job import errors as job_errors
 
     errors = [
         cls
@@ -313,5 +313,5 @@ def test_every_error_the_job_raises_is_in_the_error_table() -> None:
     ]
     assert len(errors) >= 5
     for cls in errors:
-        assert cls in HTTP_STATUS, f"{cls.__name__} has no HTTP status (master/http_errors.py)"
+        assert cls in HTTP_STATUS, f"{cls.__name__} has no HTTP status (master/http/errors.py)"
         assert (HTTP_STATUS[cls], cls.code) in ERROR_TABLE, cls.__name__

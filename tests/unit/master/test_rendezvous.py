@@ -1,4 +1,4 @@
-"""Unit tests of the rendezvous state machine (``master.rendezvous.Rendezvous``) with a fake clock.
+"""Unit tests of the rendezvous state machine (``master.job.rendezvous.Rendezvous``) with a fake clock.
 
 Time is a plain float passed in as ``now``; nothing here sleeps or does I/O.
 """
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.job_settings import JobSettings
-from master.rendezvous import Candidate, ClosedRound, Phase, Rendezvous
+from elastic.control.job_settings import JobSettings
+from master.job.rendezvous import Candidate, ClosedRound, Phase, Rendezvous
 
 pytestmark = pytest.mark.timeout(10)
 

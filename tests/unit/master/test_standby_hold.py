@@ -1,10 +1,10 @@
-"""master.standby_hold: held calls end together when the master leads, or each after the hold."""
+"""master.service.standby_hold: held calls end together when the master leads, or each after the hold."""
 
 from __future__ import annotations
 
 import asyncio
 
-from master.standby_hold import HOLD_CAP_S, StandbyHold, hold_seconds
+from master.service.standby_hold import HOLD_CAP_S, StandbyHold, hold_seconds
 
 
 async def _settle() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from elastic.job_settings import JobSettings
-from elastic.protocol import HeartbeatRequest, JoinRequest, NodeState
-from master.job import Job
-from master.status_view import render_status
+from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import HeartbeatRequest, JoinRequest, NodeState
+from master.cli.status_view import render_status
+from master.job.job import Job
 
 
 @pytest.mark.timeout(10)

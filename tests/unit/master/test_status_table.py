@@ -1,12 +1,13 @@
-"""The status table (master.status_view.render_status): step time, straggler flags and node-check figures."""
+"""The status table (master.cli.status_view.render_status): step time, straggler flags and node-check
+figures."""
 
 from __future__ import annotations
 
 import pytest
 from health_jobs import check
 
-from elastic.protocol import JobStatus, NodeStatus
-from master.status_view import render_status
+from elastic.control.protocol import JobStatus, NodeStatus
+from master.cli.status_view import render_status
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""Stragglers (master.stragglers, and through master.job with a fake clock): who is flagged, when the
+"""Stragglers (master.job.stragglers, and through master.job.job with a fake clock): who is flagged, when the
 flag is cleared, and how the job reports it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from health_jobs import beat, join_all, make_job, progress
 
-from elastic.protocol import WorkerProgress
-from master.stragglers import Pace, StragglerTracker, assess, node_pace
+from elastic.control.protocol import WorkerProgress
+from master.job.stragglers import Pace, StragglerTracker, assess, node_pace
 
 pytestmark = pytest.mark.timeout(30)
 

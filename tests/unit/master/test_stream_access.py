@@ -1,17 +1,17 @@
-"""The gate's rule as one pure function (master.gatekeeper.check_access), which the HTTP gate and the
-agent stream's upgrade (master/stream.py) both apply: the token first (401, then 429 for an address
+"""The gate's rule as one pure function (master.http.gatekeeper.check_access), which the HTTP gate and the
+agent stream's upgrade (master/http/stream.py) both apply: the token first (401, then 429 for an address
 that keeps sending wrong ones, never for a valid token), then the job (409); with a fake clock. And the
-stream's field-naming 422 text, the same as the HTTP routes' (master.api_ops.describe_errors)."""
+stream's field-naming 422 text, the same as the HTTP routes' (master.service.api_ops.describe_errors)."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from elastic.protocol import HeartbeatRequest
-from master.api_ops import RoundQuery, describe_errors
-from master.gatekeeper import check_access, http_response, refusal_response
-from master.rate_limits import PeerFailureLimiter
+from elastic.control.protocol import HeartbeatRequest
+from master.http.gatekeeper import check_access, http_response, refusal_response
+from master.http.rate_limits import PeerFailureLimiter
+from master.service.api_ops import RoundQuery, describe_errors
 
 TOKEN = b"the-token"
 JOB = "job-1"

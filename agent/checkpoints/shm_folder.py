@@ -1,0 +1,201 @@
+"""The node's shared-memory checkpoint folder: its name, its owner record, taking it and giving it back.
+
+:func:`take` takes ``<root>/elastic-<job>-<node>/`` (mode 0700, ``root`` is ``/dev/shm``) by an exclusive
+``flock`` of its ``.lock`` file, held until :func:`release` (:mod:`agent.checkpoints.shm_lock`): a held lock
+is a live agent of the same job and node, an error; a free one means its previous owner is gone, however it
+ended (killed, an unreaped zombie, another PID namespace), and its leftovers are removed (takeover).
+Other ``elastic-*`` folders whose lock is free are removed too (crashed agents with another node id); a
+folder without a lock file (an older agent's) is judged by its owner record (host, pid, start time).
+
+The checkpoint keeper (:mod:`agent.checkpoints.keeper`) owns the folder while the agent runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from agent.checkpoints import shm_lock
+from elastic import errors
+from elastic.checkpoint import layout
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ROOT = Path("/dev/shm")
+FOLDER_PREFIX = "elastic-"
+OWNER_FILE = ".owner"
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+class KeeperError(errors.CheckpointError):
+    """The shared-memory folder cannot be set up (e.g. another live agent holds it)."""
+
+
+def folder_name(job_id: str, node_id: str) -> str:
+    """``elastic-<job>-<node>``, with characters outside ``[A-Za-z0-9_.-]`` replaced (the owner record
+    keeps the exact ids)."""
+
+    def clean(text: str) -> str:
+        return _UNSAFE.sub("_", text)[:100] or "_"
+
+    return f"{FOLDER_PREFIX}{clean(job_id)}-{clean(node_id)}"
+
+
+def mib(nbytes: int) -> str:
+    """``nbytes`` for a log line."""
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The owner record of a folder (``.owner``): which agent process took it."""
+
+    job: str
+    node: str
+    host: str
+    pid: int
+    started: float  # process create time, so that a reused pid is not taken for the owner
+
+    def alive(self) -> bool:
+        """Whether the owner process still runs (True when that cannot be told)."""
+        try:
+            return abs(psutil.Process(self.pid).create_time() - self.started) < 1.0
+        except psutil.NoSuchProcess:
+            return False
+        except psutil.Error:
+            return True  # cannot tell: leave it alone
+
+    @classmethod
+    def me(cls, job: str, node: str) -> Owner:
+        """The record of this process."""
+        return cls(job, node, socket.gethostname(), os.getpid(), psutil.Process().create_time())
+
+    @classmethod
+    def read(cls, folder: Path) -> Owner | None:
+        """The record in ``folder``, or None when it is missing or unreadable."""
+        try:
+            data = json.loads((folder / OWNER_FILE).read_text())
+            return cls(
+                str(data["job"]),
+                str(data["node"]),
+                str(data["host"]),
+                int(data["pid"]),
+                float(data["started"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def take(root: Path, folder: Path, job_id: str, node_id: str) -> int:
+    """Remove stale folders under ``root``, then take ``folder`` (see the module doc) and write its owner
+    record; returns the lock's file descriptor, for :func:`release`.
+
+    Raises:
+        KeeperError: another live agent holds the folder, or it cannot be created or set up.
+    """
+    remove_stale(root, folder)
+    try:
+        fd = shm_lock.acquire(folder)
+    except shm_lock.FolderHeldError:
+        holder = Owner.read(folder)
+        who = f"pid {holder.pid} on {holder.host}" if holder else "owner record not written yet"
+        raise KeeperError(
+            f"another agent ({who}) of job {job_id} node {node_id} holds {folder}; "
+            "give each agent its own --node-id"
+        ) from None
+    except OSError as exc:
+        raise KeeperError(f"cannot create {folder}: {exc}") from exc
+    try:
+        _take_over(folder)
+        record = json.dumps(Owner.me(job_id, node_id).__dict__).encode()
+        layout.atomic_write(folder / OWNER_FILE, lambda f: f.write(record), durable=False)
+    except OSError as exc:
+        release(folder, fd)
+        raise KeeperError(f"cannot set up {folder}: {exc}") from exc
+    return fd
+
+
+def release(folder: Path, fd: int) -> None:
+    """Remove the folder, then release its lock (after the removal: nobody takes it over half-removed)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    os.close(fd)
+
+
+def _take_over(folder: Path) -> None:
+    """Remove what a dead previous owner left in the folder (all but the lock we now hold)."""
+    previous = Owner.read(folder)
+    freed = 0
+    for entry in folder.iterdir():
+        if entry.name == shm_lock.LOCK_FILE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+            continue
+        try:
+            freed += entry.lstat().st_size
+        except FileNotFoundError:
+            continue
+        entry.unlink(missing_ok=True)
+    if previous is not None:
+        log.info(
+            "took over the checkpoint memory of a dead agent (pid %d on %s): %s, %s freed",
+            previous.pid,
+            previous.host,
+            folder,
+            mib(freed),
+        )
+
+
+def remove_stale(root: Path, own: Path) -> None:
+    """Remove other agents' folders under ``root`` whose owner is gone (``own`` is taken by :func:`take`).
+
+    Raises:
+        KeeperError: ``root`` does not exist.
+    """
+    try:
+        entries = [e for e in root.iterdir() if e.name.startswith(FOLDER_PREFIX) and e.is_dir()]
+    except FileNotFoundError:
+        raise KeeperError(f"the shared-memory root {root} does not exist") from None
+    for folder in entries:
+        if folder == own:
+            continue
+        try:
+            fd = shm_lock.try_lock(folder / shm_lock.LOCK_FILE)
+        except FileNotFoundError:
+            if _dead_by_owner_record(folder):  # an older agent's folder, without a lock file
+                _discard(folder)
+            continue
+        except OSError:
+            continue  # not ours to judge (e.g. another user's)
+        if fd is None:
+            continue  # its agent lives
+        try:
+            _discard(folder)
+        finally:
+            os.close(fd)
+
+
+def _dead_by_owner_record(folder: Path) -> bool:
+    owner = Owner.read(folder)
+    # No record: not a folder of ours, or one still being set up. Another host's (a shared /dev/shm):
+    # its pids mean nothing here.
+    return owner is not None and owner.host == socket.gethostname() and not owner.alive()
+
+
+def _discard(folder: Path) -> None:
+    """Remove a dead agent's folder: renamed away first, so that a new folder of that name is never hit."""
+    log.info("removing the checkpoint memory of a dead agent: %s", folder)
+    trash = folder.with_name(f".{folder.name}.{os.getpid()}.removing")
+    try:
+        folder.rename(trash)
+    except OSError:
+        trash = folder
+    shutil.rmtree(trash, ignore_errors=True)

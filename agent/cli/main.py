@@ -1,0 +1,266 @@
+"""``elastic-run``: torchrun's command line, elastic underneath.
+
+Every torchrun flag keeps its spelling (dashes or underscores) and its ``PET_*`` environment default,
+so a torchrun command line works after replacing the command name. This module declares the options
+and the console entry point; :mod:`agent.cli.resolve` resolves them into settings and
+:mod:`agent.executor.startup` runs the agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+
+from agent.cli.resolve import given_options, resolve
+from agent.cli.torchrun_flags import torchrun_options
+from agent.errors import EXIT_CONFIG, AgentError
+from agent.executor.startup import run_agent
+from agent.observe.progress import DEFAULT_PROGRESS_INTERVAL_S
+from agent.settings import DEFAULT_HANG_TIMEOUT_S, DEFAULT_MASTER_TIMEOUT_S, DEFAULT_STOP_GRACE_S
+from elastic.contract import DEFAULT_CKPT_KEEP
+from elastic.control import job_settings as ms
+from elastic.control.auth import TOKEN_ENV
+from elastic.control.cli_options import job_policy_options
+from elastic.control.error_table import MasterError
+
+CONTEXT = {
+    "help_option_names": ["-h", "--help"],
+    "auto_envvar_prefix": "PET",
+    "allow_interspersed_args": False,
+    "max_content_width": 110,
+}
+
+
+@click.command(context_settings=CONTEXT)
+@click.option("--nnodes", default="1:1", show_default=True, help="Number of nodes, N or MIN:MAX.")
+@click.option(
+    "--nproc-per-node",
+    "--nproc_per_node",
+    "nproc_per_node",
+    default="1",
+    show_default=True,
+    help="Workers per node: a number, cpu, gpu or auto.",
+)
+@click.option("--standalone", is_flag=True, help="Single-node job with an embedded master on a free port.")
+@click.option(
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--master",
+    "rdzv_endpoint",
+    default="",
+    help="Job master HOST:PORT (several, comma-separated, for standby masters).",
+)
+@click.option(
+    "--rdzv-id", "--rdzv_id", "--job-id", "rdzv_id", default="none", show_default=True, help="Job id."
+)
+@click.option(
+    "--rdzv-backend",
+    "--rdzv_backend",
+    "rdzv_backend",
+    default="c10d",
+    show_default=True,
+    help="Accepted for torchrun compatibility; the elastic master is always used.",
+)
+@click.option(
+    "--rdzv-conf",
+    "--rdzv_conf",
+    "rdzv_conf",
+    default="",
+    help="torchrun's KEY=VALUE list; join_timeout and last_call_timeout are honoured, others warned about.",
+)
+@click.option(
+    "--max-restarts",
+    "--max_restarts",
+    "max_restarts",
+    type=click.IntRange(min=0),
+    default=ms.DEFAULT_MAX_RESTARTS,
+    show_default=True,
+    help="Job-wide restarts after worker failures.",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="File with the job's bearer token (default: ELASTIC_TOKEN, else derived from the job id).",
+)
+@click.option(
+    "--tls-ca",
+    type=click.Path(dir_okay=False),
+    envvar="ELASTIC_TLS_CA",  # elastic.control.tls.TLS_CA_ENV, not imported at start (ssl costs milliseconds)
+    default=None,
+    help="Speak https to the master and verify its certificate with this PEM CA file (default: "
+    "ELASTIC_TLS_CA); not used with --standalone.",
+)
+@click.option(
+    "--tls-cert",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Convenience mode: the master this agent hosts serves https with this PEM certificate; needs "
+    "--tls-key and --tls-ca.",
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Convenience mode: the PEM private key (unencrypted) of --tls-cert.",
+)
+@click.option("--node-id", default=None, help="Stable id of this node (default: HOSTNAME-PID).")
+@click.option(
+    "--local-addr",
+    "--local_addr",
+    "local_addr",
+    default=None,
+    help="Address other nodes reach this node on (default: the route to the master).",
+)
+@click.option(
+    "--master-addr",
+    "--master_addr",
+    "master_addr",
+    default=None,
+    help="torchrun static rendezvous: used as the master host when no --rdzv-endpoint is given.",
+)
+@click.option(
+    "--master-port",
+    "--master_port",
+    "master_port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="torchrun static rendezvous: the master port (default 29500).",
+)
+@click.option("--role", default="default", show_default=True, help="Worker role name (ROLE_NAME).")
+@click.option("-m", "--module", is_flag=True, help="Run the script as a Python module (python -m).")
+@click.option("--no-python", "--no_python", "no_python", is_flag=True, help="Run the script as a command.")
+@click.option(
+    "--log-dir",
+    "--log_dir",
+    "log_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Also write each worker's stdout/stderr to LOG_DIR/round<N>/rank<R>/{stdout,stderr}.log.",
+)
+@torchrun_options()
+@click.option(
+    "--ckpt-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Checkpoint folder, exported to workers as ELASTIC_CKPT_DIR; the agent persists the workers' "
+    "in-memory checkpoints there in the background.",
+)
+@click.option(
+    "--ckpt-keep",
+    type=click.IntRange(min=1),
+    default=DEFAULT_CKPT_KEEP,
+    show_default=True,
+    help="Checkpoints to keep in --ckpt-dir.",
+)
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=0, max=64),
+    default=1,
+    show_default=True,
+    help="Peer nodes that hold a copy of this node's sharded memory checkpoints (ring order); 0: none.",
+)
+@click.option(
+    "--replication-lag",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Steps the peers' replicas may lag the newest sharded save before the next save waits.",
+)
+@click.option(
+    "--replication-bandwidth",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Cap on the bandwidth of replication to each peer, in MB/s; 0: no cap.",
+)
+@click.option(
+    "--ckpt-reset",
+    is_flag=True,
+    help="Start this node's first workers without its existing checkpoints (ELASTIC_CKPT_RESET=1 for "
+    "elastic.load): give it on every node for a deliberate fresh start; a checkpoint another node holds "
+    "is still restored. Use a new --ckpt-dir or job id, so that older files do not shadow the new run.",
+)
+@job_policy_options(embedded=True)
+@click.option(
+    "--stop-grace",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_STOP_GRACE_S,
+    show_default=True,
+    help="Seconds between SIGTERM and SIGKILL when stopping workers (torchrun: --shutdown-timeout).",
+)
+@click.option(
+    "--master-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=DEFAULT_MASTER_TIMEOUT_S,
+    show_default=True,
+    help="Give up after the master is unreachable this long (workers keep training meanwhile), or keeps "
+    "refusing this agent's join because a live agent uses its --node-id.",
+)
+@click.option(
+    "--hang-timeout",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_HANG_TIMEOUT_S,
+    show_default=True,
+    help="A worker that reported steps and made none for this many seconds, or whose process is stopped "
+    "or in disk sleep this long, is hung: its stack is recorded and the world restarts. 0: off.",
+)
+@click.option(
+    "--no-warm-start",
+    "no_warm_start",
+    is_flag=True,
+    help="Always start workers with a fresh interpreter (exec), never from the pre-started one that has "
+    "torch imported.",
+)
+@click.option(
+    "--progress-interval",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_PROGRESS_INTERVAL_S,
+    show_default=True,
+    help="Seconds between two progress lines of this agent (round, step, steps/s, world, restarts, last "
+    "checkpoint). 0: none.",
+)
+@click.option("--quiet", is_flag=True, help="No progress lines (the same as --progress-interval 0).")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve this agent's Prometheus metrics (GET /metrics, the job token as bearer token) on this port "
+    "of --local-addr; 0: a free port (logged).",
+)
+@click.argument("training_script")
+@click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
+def cli(**opts) -> int:
+    """Run TRAINING_SCRIPT on this node as part of an elastic job (torchrun-compatible)."""
+    settings, embed = resolve(opts, given_options(click.get_current_context()))
+    # The job-control token stays in the agent: workers (user code, its subprocesses, crash reporters) and
+    # the warm-start zygote, whose environments derive from os.environ, never see it.
+    os.environ.pop(TOKEN_ENV, None)
+    return run_agent(settings, embed)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: one-line errors, torchrun-like exit codes."""
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        code = cli.main(args=argv, prog_name="elastic-run", standalone_mode=False)
+    except click.UsageError as exc:
+        hint = exc.ctx.command_path if exc.ctx else "elastic-run"
+        print(f"elastic-run: error: {exc.format_message()} (see '{hint} --help')", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    except click.ClickException as exc:
+        print(f"elastic-run: error: {exc.format_message()}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        sys.exit(130)
+    except AgentError as exc:
+        print(f"elastic-run: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except MasterError as exc:
+        print(f"elastic-run: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

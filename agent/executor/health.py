@@ -1,0 +1,178 @@
+"""The agent's health duties, as the executor (agent.executor.loop) performs them: hang checks with stack
+dumps, and the node-check process. What follows from them (report, rejoin, exit) is decided by
+agent.machine.decisions.
+
+Hangs (see :mod:`agent.observe.hang`): at every heartbeat the heartbeat thread asks :class:`HangMonitor` about
+the running workers; a hung one becomes a ``HangSeen`` event (once per worker generation). Reporting it,
+:func:`hang_failure` records the hung workers' Python stacks (:mod:`agent.observe.stackdump`) and names the
+root cause; the master counts it as a failure (kind ``hang``) and opens a new round, like a crash.
+
+Node check (see :mod:`master.job.node_check`): an assignment with ``check=True`` makes the node run
+``python -m elastic.node_check`` as its single worker (:func:`check_spec`), with the world being the nodes
+(RANK = node rank). The agent reports the figures (:func:`read_check_result`) in a heartbeat and waits for
+the master's verdict: ``rejoin`` (the training round follows), ``exclude`` (this node leaves the job: the
+agent exits 1 with the reason) or ``stop`` (the job is over).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from agent.machine.decisions import CHECK_PG_TIMEOUT_S
+from agent.observe.channel import ProgressChannel
+from agent.observe.hang import Hang, HangWatch
+from agent.observe.stackdump import dump_stacks, stack_file_path
+from agent.settings import AgentSettings
+from agent.workers.environment import worker_envs
+from agent.workers.group import FailureInfo, WorkerExit, WorkerGroup, WorkerSpec
+from elastic import contract
+from elastic.control.protocol import Assignment, JobInfo, NodeCheckResult
+from elastic.node_check import RESULT_ENV, TIMEOUT_ENV
+from elastic.report import STACK_FILE_ENV
+
+log = logging.getLogger(__name__)
+
+#: Lines of each stack dump copied into the agent's log (the file has all of it).
+STACK_LOG_LINES = 60
+
+
+def warn_on_node_check_setting(settings: AgentSettings, info: JobInfo) -> None:
+    """``--node-check`` is the master's setting: warn when this agent asks for another one."""
+    want = settings.job.node_check
+    if want != "off" and info.node_check != want:
+        log.warning(
+            "--node-check %s is a setting of the job master; the master of job %s runs with "
+            "--node-check %s (pass it to elastic-master)",
+            want,
+            info.job_id,
+            info.node_check,
+        )
+
+
+def stack_root(settings: AgentSettings, group: WorkerGroup) -> Path:
+    """The folder under which each attempt's workers write their stack dumps."""
+    return settings.log_dir or group.error_dir
+
+
+def add_stack_files(envs: list[dict[str, str]], root: Path, assignment: Assignment) -> None:
+    """Name each worker's faulthandler dump file (``ELASTIC_STACK_FILE``) next to its logs."""
+    attempt = f"round{assignment.round}"
+    for local_rank, env in enumerate(envs):
+        env[STACK_FILE_ENV] = str(stack_file_path(root, attempt, assignment.rank_offset + local_rank))
+
+
+class HangMonitor:
+    """Hang checks of the running workers, once per heartbeat (heartbeat thread only)."""
+
+    def __init__(self, timeout_s: float, group: WorkerGroup, channel: ProgressChannel) -> None:
+        self.timeout_s = timeout_s  # --hang-timeout; 0: no verdicts
+        self.group = group
+        self.channel = channel
+        self._watch: HangWatch | None = None
+        self._generation = -1  # the worker generation that _watch observes
+        self._reported = -1  # the worker generation whose hang was reported already
+
+    def check(self, generation: int) -> list[Hang]:
+        """The hung workers of ``generation`` (running now); empty once they were reported."""
+        if self.timeout_s <= 0 or self._reported == generation:
+            return []
+        if self._watch is None or self._generation != generation:
+            self._watch, self._generation = HangWatch(self.timeout_s), generation
+        pids = self.group.pids
+        live = {r: pids[r] for r in self.group.running() if r < len(pids)}
+        hangs = self._watch.check(time.monotonic(), self.channel.snapshot(), live)
+        if hangs:
+            self._reported = generation
+        return hangs
+
+
+def hang_failure(hangs: tuple[Hang, ...], pids: list[int], assignment: Assignment, root: Path) -> FailureInfo:
+    """Log the hung workers, record their Python stacks, and name the first one as the root cause."""
+    offset = assignment.rank_offset
+    for hang in hangs:
+        log.warning(
+            "rank %d (local rank %d, pid %d) is hung: %s",
+            offset + hang.local_rank,
+            hang.local_rank,
+            pids[hang.local_rank],
+            hang.reason,
+        )
+    attempt = f"round{assignment.round}"
+    targets = [
+        (pids[h.local_rank], offset + h.local_rank, stack_file_path(root, attempt, offset + h.local_rank))
+        for h in hangs
+    ]
+    dumps = dump_stacks(targets)
+    for dump in dumps:
+        if dump.path is None:
+            log.warning("rank %d: no Python stack recorded: %s", dump.global_rank, dump.error)
+            continue
+        lines = dump.text.rstrip().splitlines()
+        shown = "\n".join(f"    {line}" for line in lines[:STACK_LOG_LINES])
+        more = (
+            f"\n    ... ({len(lines) - STACK_LOG_LINES} more lines)" if len(lines) > STACK_LOG_LINES else ""
+        )
+        log.warning(
+            "rank %d: Python stack (%s) saved to %s:\n%s%s",
+            dump.global_rank,
+            dump.how,
+            dump.path,
+            shown,
+            more,
+        )
+    first, dump = hangs[0], dumps[0]
+    message = first.reason + (f"; Python stack in {dump.path}" if dump.path else "")
+    return FailureInfo(
+        local_rank=first.local_rank,
+        global_rank=offset + first.local_rank,
+        exit_code=None,
+        signal=None,
+        message=message,
+    )
+
+
+def check_result_file(group: WorkerGroup, assignment: Assignment) -> Path:
+    """Where the node-check process of ``assignment`` writes its figures (emptied for this attempt)."""
+    result_file = group.error_dir / f"round{assignment.round}-check" / "node-check.json"
+    result_file.parent.mkdir(parents=True, exist_ok=True)
+    result_file.unlink(missing_ok=True)
+    return result_file
+
+
+def check_spec(settings: AgentSettings, assignment: Assignment, result_file: Path) -> WorkerSpec:
+    """The node-check process: one worker per node, the world being the nodes (RANK = node rank)."""
+    nodes = assignment.model_copy(
+        update={"rank_offset": assignment.node_rank, "world_size": assignment.nnodes}
+    )
+    extra = {
+        contract.NODE_ID: settings.node_id,
+        RESULT_ENV: str(result_file),
+        TIMEOUT_ENV: f"{CHECK_PG_TIMEOUT_S:g}",
+    }
+    envs = worker_envs(os.environ, nodes, 1, run_id=settings.job.job_id, role=settings.role, extra=extra)
+    return WorkerSpec(
+        argv=[sys.executable, "-u", "-m", "elastic.node_check"],
+        envs=envs,
+        global_ranks=[assignment.node_rank],
+        log_dir=settings.log_dir,
+        attempt=result_file.parent.name,
+        cwd=settings.cwd,
+    )
+
+
+def read_check_result(path: Path, exit_: WorkerExit, group: WorkerGroup) -> NodeCheckResult:
+    """The figures the check process wrote, or a ``crash`` result with its root cause."""
+    try:
+        data = json.loads(path.read_text())
+        fields = NodeCheckResult.model_fields
+        return NodeCheckResult(**{k: v for k, v in data.items() if k in fields})
+    except (OSError, ValueError, TypeError, ValidationError):
+        info = group.failure_info(exit_)
+        return NodeCheckResult(ok=False, stage="crash", error=info.message[-2000:])

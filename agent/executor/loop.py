@@ -1,0 +1,401 @@
+"""The agent's executor: it turns what happens into events for the machine (agent.machine.decisions) and
+performs the actions the machine returns. It owns every thread, process and call; it decides nothing.
+
+Threads only produce events; the main thread consumes them from one queue, hands each to the machine and
+performs the actions in order:
+
+* rendezvous waiter and watcher (agent.executor.master_link) — long-poll the master for this node's next
+  assignment, and so that a new round is learnt at once, not at the next heartbeat;
+* heartbeat (agent.executor.heartbeats) — reports the node's state every interval, relays a non-``continue``
+  command, checks for hangs;
+* exit relay — forwards worker exits the moment the worker group sees them;
+* signal handlers (agent.executor.signals) — shutdown signals become events; others are forwarded to the
+workers.
+
+An action that is a call the machine waits for (join, a report, a serve watch) is answered by feeding
+its reply, or its failure, to the machine before any queued event.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, get_args
+
+from agent.checkpoints.keeper import CheckpointKeeper
+from agent.errors import AgentError
+from agent.executor import health
+from agent.executor.heartbeats import HeartbeatThread, heartbeat_request
+from agent.executor.inprocess_hub import InProcessHub
+from agent.executor.inprocess_steps import InProcessSteps
+from agent.executor.master_link import LONG_POLL_S, CallFailed, MasterLink
+from agent.executor.net import free_port
+from agent.executor.node_view import NodeView
+from agent.executor.round_spec import how_it_failed, round_line, training_spec, worker_failure
+from agent.executor.signals import SignalRouter
+from agent.executor.tls_trouble import TLSTrouble
+from agent.machine import events as ev
+from agent.machine.decisions import CHECK_TIMEOUT_S, AgentMachine, MachineConfig
+from agent.observe.channel import ProgressChannel
+from agent.observe.events import event_log_for
+from agent.observe.progress import ProgressReporter, sample_agent
+from agent.settings import AgentSettings
+from agent.workers.group import FailureInfo, WorkerExit, WorkerGroup, WorkerGroupError
+from elastic.contract import INPROCESS_SOCKET
+from elastic.control.client import MasterClient, MasterError
+from elastic.control.protocol import (
+    Assignment,
+    HeartbeatRequest,
+    JoinRequest,
+    LeaveRequest,
+    NodeCheckResult,
+    NodeState,
+    describe_figures,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LONG_POLL_S", "ElasticAgent"]
+
+
+def performer_name(action: type[ev.Action]) -> str:
+    """The :class:`ElasticAgent` method that performs ``action``: ``StopWorkers`` -> ``_stop_workers``."""
+    return "_" + re.sub(r"(?<!^)(?=[A-Z])", "_", action.__name__).lower()
+
+
+class ElasticAgent:
+    """Runs this node's share of one job until the job ends; :meth:`run` returns the exit code."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        client: MasterClient,
+        group: WorkerGroup,
+        channel: ProgressChannel,
+        worker_env: dict[str, str] | None = None,
+        keeper: CheckpointKeeper | None = None,
+    ) -> None:
+        self.settings = settings
+        self.client = client
+        self.group = group
+        self.channel = channel
+        self.keeper = keeper  # the node's checkpoint memory: swept after each stop, reported in heartbeats
+        self.worker_env = dict(worker_env or {})  # added to every worker's environment (ELASTIC_SHM_DIR)
+        # One queue for every thread's events; its put() is safe in signal handlers.
+        self.events: queue.SimpleQueue[ev.AgentEvent] = queue.SimpleQueue()
+        # Workers run by elastic.inprocess.run connect here: they keep their processes across rounds.
+        hub = InProcessHub(channel.folder, self._on_broken)
+        self.worker_env[INPROCESS_SOCKET] = hub.path
+        self.machine = AgentMachine(
+            MachineConfig(
+                nproc=settings.nproc,
+                master_timeout_s=settings.master_timeout_s,
+                hosts_master=settings.host_master_at is not None,
+                ckpt_reset=settings.ckpt_reset,
+            )
+        )
+        self.view = NodeView()  # what the heartbeats report; replaced whole by the main thread only
+        self._closing = threading.Event()
+        self.failure_summary: str | None = None  # the job's root-cause summary when it failed
+        self.host = settings.local_addr or "127.0.0.1"
+        self.event_log = event_log_for(settings.event_log_handler, settings.node_id)
+        self.inprocess = InProcessSteps(hub, group, settings.stop_grace_s, self.event_log)
+        self.tls_trouble = TLSTrouble(self.event_log)  # a master's certificate that stopped verifying
+        self.link = MasterLink(
+            settings, client, self.tls_trouble, self.events.put, self._generation, self._closing
+        )
+        #: Per-address limit of one heartbeat call: a third of the master's heartbeat timeout, so that
+        #: after a failover a node whose last master hangs (rather than refusing connections) still
+        #: reaches the new leader well within its grace period (one heartbeat timeout).
+        self.heartbeat_call_timeout = settings.job.heartbeat_timeout_s / 3
+        self.hangs = health.HangMonitor(settings.hang_timeout_s, group, channel)
+        self.assignment: Assignment | None = None  # the newest round this node trains in
+        self.progress = ProgressReporter(settings.progress_interval_s, lambda: sample_agent(self), log.info)
+        self._check_timer: threading.Timer | None = None
+        self._check_file = Path()  # where the running node check writes its figures
+        performed = (a for a in get_args(ev.Action) if a is not ev.Exit)  # Exit ends _drive itself
+        self._perform: dict[type, Callable[[Any], ev.AgentEvent | None]] = {
+            a: getattr(self, performer_name(a)) for a in performed
+        }
+
+    # -- entry point ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        self._check_job_settings()
+        with SignalRouter(self.settings.signals, self._on_signal, self._forward_signal):
+            try:
+                return self._drive()
+            finally:
+                self.progress.stop()
+                self._closing.set()
+                self.machine.generation += 1  # every thread's events are stale from now on
+                self._cancel_check_timer()
+                self.group.stop(self.settings.stop_grace_s)
+                self.inprocess.hub.close()
+
+    def _generation(self) -> int:
+        return self.machine.generation
+
+    def _check_job_settings(self) -> None:
+        info = self.link.check_job()
+        self.heartbeat_call_timeout = info.heartbeat_timeout_s / 3
+        health.warn_on_node_check_setting(self.settings, info)
+
+    def _drive(self) -> int:
+        """Feed events to the machine and perform its actions until one of them is an exit."""
+        replies: deque[ev.AgentEvent] = deque([ev.Started(self.group.launcher_warm_up_left_s())])
+        while True:
+            event = replies.popleft() if replies else self.events.get()
+            for action in self.machine.handle(event, time.monotonic()):
+                if isinstance(action, ev.Exit):
+                    if action.error is not None:
+                        raise AgentError(action.error, action.code)
+                    return action.code
+                reply = self._perform[type(action)](action)
+                if reply is not None:
+                    replies.append(reply)
+
+    # -- actions -------------------------------------------------------------------------------------
+    def _ignored(self, action: ev.Ignored) -> None:
+        log.debug("ignored: %s", action.why)
+
+    def _note(self, action: ev.Note) -> None:
+        log.log(action.level, "%s", action.text)
+
+    def _start_heartbeats(self, action: ev.StartHeartbeats) -> None:
+        HeartbeatThread(
+            self.link,
+            self._heartbeat_request,
+            lambda: self.view,
+            self.hangs,
+            self.keeper,
+            self.events.put,
+            self._generation,
+            self._closing,
+            self.heartbeat_call_timeout,
+        ).start()
+        self.progress.start()  # the progress line every --progress-interval (agent.observe.progress)
+
+    def _await_launcher(self, action: ev.AwaitLauncher) -> None:
+        def wait() -> None:
+            # If it is still not ready then, the group says so and execs the workers.
+            self.group.wait_launcher(action.timeout_s)
+            self.events.put(ev.LauncherReady(generation=action.generation))
+
+        threading.Thread(target=wait, name="warm-wait", daemon=True).start()
+
+    def _join(self, action: ev.Join) -> ev.AgentEvent:
+        self.view = NodeView()
+        req = JoinRequest(
+            node_id=self.settings.node_id,
+            host=self.host,
+            nproc=self.settings.nproc,
+            store_port=free_port(self.host),
+            min_nodes=self.settings.job.min_nodes,
+            max_nodes=self.settings.job.max_nodes,
+        )
+        try:
+            joined = self.link.call(lambda: self.client.join(req), "join")
+        except CallFailed as failed:
+            return failed.event
+        return ev.Joined(joined.round, joined.master_id)
+
+    def _await_round(self, action: ev.AwaitRound) -> None:
+        self.link.start_round_wait(action.generation, action.after)
+
+    def _start_workers(self, action: ev.StartWorkers) -> None:
+        assignment, s = action.assignment, self.settings
+        log.info("%s", round_line(assignment, s.nproc))
+        self.assignment = assignment
+        root = health.stack_root(s, self.group)
+        spec = training_spec(s, assignment, self.channel.path, self.worker_env, action.reset_ckpt, root)
+        self.channel.reset(s.nproc)
+        pids, kept, started_at = self.inprocess.start(
+            spec, assignment.round, self._exit_relay(action.generation)
+        )
+        restart, ranks = assignment.restart_count, spec.global_ranks
+        self.event_log.record(
+            "workers_started", round=assignment.round, ranks=ranks, pids=pids, restart=restart, kept=kept
+        )
+        self.view = NodeView(
+            state=NodeState.RUNNING, round=assignment.round, pids=pids, started_at=started_at
+        )
+        self.link.start_watch(action.generation, assignment.round)
+
+    def _start_check(self, action: ev.StartCheck) -> ev.AgentEvent | None:
+        assignment, generation = action.assignment, action.generation
+        log.info(
+            "round %d: node check (node rank %d of %d)",
+            assignment.round,
+            assignment.node_rank,
+            assignment.nnodes,
+        )
+        self._check_file = health.check_result_file(self.group, assignment)
+        self.inprocess.settle(keep=False)  # a node check runs in a process of its own
+        self.channel.reset(1)
+        setup_failed: ev.CheckDone | None = None
+        try:
+            self.group.start(
+                health.check_spec(self.settings, assignment, self._check_file),
+                on_exit=self._exit_relay(generation),
+            )
+        except WorkerGroupError as exc:
+            setup_failed = ev.CheckDone(NodeCheckResult(ok=False, stage="setup", error=str(exc)[-2000:]))
+        self.view = NodeView(state=NodeState.RUNNING, round=assignment.round, pids=list(self.group.pids))
+        self.link.start_watch(generation, assignment.round)
+        self._check_timer = threading.Timer(
+            CHECK_TIMEOUT_S, lambda: self.events.put(ev.CheckTimeout(generation))
+        )
+        self._check_timer.daemon = True
+        self._check_timer.start()
+        return setup_failed
+
+    def _stop_workers(self, action: ev.StopWorkers) -> None:
+        # The machine began a new generation: exits caused by the stop are not failures.
+        self._cancel_check_timer()
+        self.view = NodeView(state=NodeState.WAITING)
+        running = self.group.running()
+        if action.rejoin and self.inprocess.pause(running, self.assignment):
+            return  # they leave their step while the node joins the next round
+        self.inprocess.stopped()
+        self.group.stop(self.settings.stop_grace_s)
+        if self.keeper is not None:
+            # A worker killed mid-save left a checkpoint-sized temp file; no worker writes now.
+            self.keeper.sweep(workers_stopped=True)
+        if running:
+            self.event_log.record("workers_stopped", local_ranks=running)
+
+    def _stop_check(self, action: ev.StopCheck) -> None:
+        self._cancel_check_timer()
+        self.group.stop(self.settings.stop_grace_s)
+
+    def _collect_check_result(self, action: ev.CollectCheckResult) -> ev.AgentEvent:
+        return ev.CheckDone(health.read_check_result(self._check_file, action.exit, self.group))
+
+    def _report_crash(self, action: ev.ReportCrash) -> ev.AgentEvent:
+        return self._report_failure(
+            action.round, self.group.failure_info(action.exit), "crash", action.seen_at
+        )
+
+    def _report_broken(self, action: ev.ReportBroken) -> ev.AgentEvent:
+        info, seen_at = self.inprocess.broken_cause(
+            self.assignment, action.local_rank, action.message, action.seen_at
+        )
+        return self._report_failure(action.round, info, "crash", seen_at)
+
+    def _on_broken(self, local_rank: int, pid: int, message: str) -> None:  # hub thread; the machine decides
+        self.events.put(ev.CollectiveBroken(local_rank, message, time.monotonic(), self.machine.generation))
+
+    def _report_hang(self, action: ev.ReportHang) -> ev.AgentEvent:
+        root = health.stack_root(self.settings, self.group)
+        info = health.hang_failure(action.hangs, self.group.pids, action.assignment, root)
+        return self._report_failure(action.assignment.round, info, "hang", action.seen_at)
+
+    def _report_success(self, action: ev.ReportSuccess) -> ev.AgentEvent:
+        self.view = NodeView(state=NodeState.SUCCEEDED, round=action.round)
+        return self._heartbeat_now("success report")
+
+    def _report_check(self, action: ev.ReportCheck) -> ev.AgentEvent:
+        result = action.result
+        outcome = "passed" if result.ok else f"failed at {result.stage}: {result.error}"
+        log.info("node check %s; %s (the master judges all nodes)", outcome, describe_figures(result))
+        self.view = NodeView(state=NodeState.RUNNING, round=action.round, node_check=result)
+        return self._heartbeat_now("node-check report")
+
+    def _serve(self, action: ev.Serve) -> ev.AgentEvent:
+        try:
+            reply = self.link.call(
+                lambda: self.client.watch(self.settings.node_id, action.round, LONG_POLL_S), "watch"
+            )
+        except CallFailed as failed:
+            return failed.event
+        return ev.MasterReplied(reply)
+
+    def _record_restart(self, action: ev.RecordRestart) -> None:
+        log.info("master opened round %d; restarting workers", action.round)
+        self.event_log.record("restart", round=action.round)
+
+    def _leave(self, action: ev.Leave) -> None:
+        name = signal.Signals(action.signum).name
+        self.event_log.record("node_left", signal=name)
+        try:
+            self.client.leave(LeaveRequest(node_id=self.settings.node_id, reason=f"agent received {name}"))
+        except MasterError as exc:
+            log.info("could not tell the master that this node leaves: %s", exc)
+
+    def _finish(self, action: ev.Finish) -> None:
+        outcome = action.outcome
+        succeeded, code = (True, 0) if outcome is None else (outcome.succeeded, outcome.exit_code)
+        self.event_log.record("job_finished", succeeded=succeeded, exit_code=code)
+        if outcome is None:
+            return
+        if outcome.succeeded:
+            log.info("job succeeded")
+        else:
+            # Printed by the CLI after every resource is released, so it is the last line a user sees.
+            self.failure_summary = outcome.summary
+
+    def _excluded(self, action: ev.Excluded) -> None:
+        print(f"elastic-run: {action.summary}", file=sys.stderr, flush=True)
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _report_failure(
+        self, round_number: int, info: FailureInfo, kind: str, seen_at: float
+    ) -> ev.AgentEvent:
+        """Report a local failure (``seen_at``: when the agent saw it, time.monotonic)."""
+        log.warning(
+            "rank %d (local rank %d) failed with %s",
+            info.global_rank,
+            info.local_rank,
+            how_it_failed(info, kind),
+        )
+        self.event_log.record("worker_failed", round=round_number, kind=kind, **asdict(info))
+        failure = worker_failure(info, kind)
+        self.view = NodeView(state=NodeState.FAILED, round=round_number, failure=failure, failed_at=seen_at)
+        return self._heartbeat_now("failure report")
+
+    def _heartbeat_now(self, what: str) -> ev.AgentEvent:
+        """A heartbeat the machine waits for (a report): its reply, or how the call failed."""
+        try:
+            reply = self.link.call(lambda: self.client.heartbeat(self._heartbeat_request()), what)
+        except CallFailed as failed:
+            return failed.event
+        return ev.MasterReplied(reply)
+
+    def _heartbeat_request(self) -> HeartbeatRequest:
+        return heartbeat_request(self.settings.node_id, self.view, self.channel, self.keeper)
+
+    def _exit_relay(self, generation: int) -> Callable[[WorkerExit], None]:
+        def relay(exit_: WorkerExit) -> None:
+            self.events.put(
+                ev.WorkerExited(exit_.local_rank, exit_.succeeded, exit_.seen_at, exit_, generation)
+            )
+
+        return relay
+
+    def _cancel_check_timer(self) -> None:
+        if self._check_timer is not None:
+            self._check_timer.cancel()
+            self._check_timer = None
+
+    # -- signals -------------------------------------------------------------------------------------
+    def _on_signal(self, signum: int) -> None:
+        self.events.put(ev.SignalReceived(signum))
+
+    def _forward_signal(self, signum: int) -> None:
+        """Signal-forward thread: pass ``signum`` on to every live worker; the agent keeps running."""
+        name = signal.Signals(signum).name
+        pids = self.group.signal_workers(signum)
+        if pids:
+            log.info("forwarded %s to the workers (pids %s)", name, ", ".join(map(str, pids)))
+        else:
+            log.info("received %s; no worker runs to forward it to", name)
+        self.event_log.record("signal_forwarded", signal=name, pids=pids)

@@ -1,0 +1,155 @@
+"""The agent's end of the worker→agent progress channel (see :mod:`elastic.report`).
+
+A Unix datagram socket in a private folder; one thread receives reports and keeps, per local rank,
+the last step, when it last advanced, recent step times and the newest checkpointed step. Checkpoint
+reports are also passed to an optional ``on_checkpoint(local_rank, step, location, persist_to)``
+callback (the checkpoint keeper), called on the receiving thread: it must not block. A report that
+carries the worker's round (from ``ELASTIC_ROUND``) passes it as ``round_number=``, which fences the
+keeper's persist; reports of workers that do not send it call the callback without it. A checkpoint
+report that carries the save's duration (seconds) adds it to :attr:`save_latency`. The datagram's form
+is :class:`elastic.contract.Progress`.
+
+Workers send checkpoint reports with a blocking send (see :mod:`elastic.report`): while this thread
+is stalled they wait in the kernel's queue instead of being dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from agent.observe.latency import LatencyHistogram
+from elastic.contract import MAX_DATAGRAM_BYTES, MalformedDatagram, Progress, ProgressKind
+
+RECENT_STEPS = 20
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankProgress:
+    step: int | None = None
+    advanced_at: float = field(default_factory=time.monotonic)
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    ckpt_step: int | None = None
+    #: Recent compute times per step (step time minus all-reduce wait; only with elastic.track_ddp).
+    compute_times: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    #: The worker said its training is over (elastic.report.report_done): no more steps to expect.
+    done: bool = False
+    #: When its first step report arrived (the master's recovery phase ``first_step`` ends there).
+    first_step_at: float | None = None
+
+    @property
+    def step_time_s(self) -> float | None:
+        """Median of the recent step durations (robust to one slow step)."""
+        return statistics.median(self.step_times) if self.step_times else None
+
+    @property
+    def compute_time_s(self) -> float | None:
+        """Median of the recent compute times per step, when the worker measures them."""
+        return statistics.median(self.compute_times) if self.compute_times else None
+
+
+class ProgressChannel:
+    """Receives progress datagrams from this node's workers."""
+
+    def __init__(self, on_checkpoint: Callable[..., None] | None = None) -> None:
+        self._on_checkpoint = on_checkpoint
+        self._dir = tempfile.mkdtemp(prefix="elastic-agent-")
+        self.folder = self._dir  # removed by close(), or by the reaper if the agent is SIGKILLed
+        self.path = os.path.join(self._dir, "progress.sock")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(self.path)
+        self._lock = threading.Lock()
+        self._ranks: dict[int, RankProgress] = {}
+        #: Durations of the workers' checkpoint saves (in memory), as they reported them.
+        self.save_latency = LatencyHistogram()
+        self._closed = False
+        self._thread = threading.Thread(target=self._receive, name="progress-channel", daemon=True)
+        self._thread.start()
+
+    def reset(self, nproc: int) -> None:
+        """Forget the previous workers' progress (called when a new worker group starts)."""
+        with self._lock:
+            self._ranks = {r: RankProgress() for r in range(nproc)}
+
+    def snapshot(self) -> dict[int, RankProgress]:
+        with self._lock:
+            return {
+                r: RankProgress(
+                    p.step,
+                    p.advanced_at,
+                    deque(p.step_times),
+                    p.ckpt_step,
+                    deque(p.compute_times),
+                    p.done,
+                    p.first_step_at,
+                )
+                for r, p in self._ranks.items()
+            }
+
+    def checkpointed_step(self) -> int | None:
+        """The newest step every local rank has checkpointed (None until all have)."""
+        with self._lock:
+            steps = [p.ckpt_step for p in self._ranks.values()]
+        return None if not steps or any(s is None for s in steps) else min(steps)
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+        try:
+            os.unlink(self.path)
+            os.rmdir(self._dir)
+        except OSError:
+            pass
+
+    def _receive(self) -> None:
+        while not self._closed:
+            try:
+                data = self._sock.recv(MAX_DATAGRAM_BYTES)
+            except OSError:
+                return  # closed
+            try:
+                report = Progress.decode(data)
+            except MalformedDatagram:
+                continue  # a malformed datagram is dropped; workers cannot break the agent
+            rank, kind, step = report.local_rank, report.kind, report.step
+            current = self._apply(rank, kind, step, report.compute_s)
+            if current and report.save_s is not None:
+                self.save_latency.observe(report.save_s)
+            if current and kind is ProgressKind.CKPT and self._on_checkpoint is not None:
+                fence = {"round_number": report.round} if report.round is not None else {}
+                try:
+                    self._on_checkpoint(rank, step, report.location, report.persist_to, **fence)
+                except Exception:  # a failing callback must not stop progress reports
+                    log.exception("checkpoint callback failed for local rank %d step %d", rank, step)
+
+    def _apply(self, rank: int, kind: ProgressKind, step: int, compute: float | None = None) -> bool:
+        """Record a report; False when it is of no current local rank."""
+        now = time.monotonic()
+        with self._lock:
+            progress = self._ranks.get(rank)
+            if progress is None:
+                return False
+            if kind is ProgressKind.STEP:
+                if progress.step is None or step > progress.step:
+                    if progress.step is not None:
+                        progress.step_times.append((now - progress.advanced_at) / (step - progress.step))
+                    progress.step, progress.advanced_at = step, now
+                    if progress.first_step_at is None:
+                        progress.first_step_at = now
+                    if compute is not None and compute >= 0:
+                        progress.compute_times.append(compute)
+            elif kind is ProgressKind.CKPT and (progress.ckpt_step is None or step > progress.ckpt_step):
+                progress.ckpt_step = step
+            elif kind is ProgressKind.DONE:
+                progress.done = True
+        return True

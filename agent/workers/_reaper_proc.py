@@ -1,0 +1,76 @@
+"""The reaper sentinel process: kills registered worker process groups when its pipe closes.
+
+This file is run as ``python -I -S -c <this source>`` by :class:`agent.workers.reaper.Reaper`, so it must use
+the standard library only and start fast. Protocol on stdin, one ASCII line per message:
+
+* ``+<pgid>`` — a worker process group to kill if the agent goes away;
+* ``-<pgid>`` — the agent stopped that group itself; forget it;
+* ``=<path>`` — a temp folder of the agent (its progress socket, worker error files) to remove.
+
+On EOF (the agent exited, was SIGKILLed, or closed the pipe on purpose) every registered group gets SIGKILL,
+twice with a short pause between to catch processes forked while the first signal was delivered; then the
+registered folders are removed (a SIGKILLed agent cannot remove them itself) and the reaper exits.
+"""
+
+import contextlib
+import os
+import shutil
+import signal
+import time
+
+_SECOND_PASS_DELAY_S = 0.2
+
+
+def _kill_groups(pgids: set[int]) -> None:
+    for pgid in sorted(pgids):
+        # The group may be empty already (or no longer ours): nothing to do then.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+def _apply(line: bytes, pgids: set[int], folders: set[str]) -> None:
+    text = line.strip().decode("ascii", errors="replace")
+    if text.startswith("=/"):
+        folders.add(text[1:])
+        return
+    if len(text) < 2 or not text[1:].isdigit():
+        return
+    pgid = int(text[1:])
+    if pgid <= 1:
+        # Never killpg(0) (our own group) or killpg(1).
+        return
+    if text[0] == "+":
+        pgids.add(pgid)
+    elif text[0] == "-":
+        pgids.discard(pgid)
+
+
+def main() -> None:
+    # We live in our own session, but be explicit: a terminal's Ctrl-C or hangup is for the agent, and the
+    # agent's death is exactly the moment this process has work to do.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    pgids: set[int] = set()
+    folders: set[str] = set()
+    buffer = b""
+    while True:
+        try:
+            chunk = os.read(0, 4096)
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            _apply(line, pgids, folders)
+    if pgids:
+        _kill_groups(pgids)
+        time.sleep(_SECOND_PASS_DELAY_S)
+        _kill_groups(pgids)
+    for folder in sorted(folders):  # after the kills: no worker writes there any more
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

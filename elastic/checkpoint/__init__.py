@@ -1,0 +1,55 @@
+"""Checkpoints: flash saves into the agent's shared memory, restores from whichever holder has the step.
+
+Promises: a worker's :func:`save` returns once the state's bytes are in shared memory the agent owns (so a
+crashed worker's last save survives it), in the raw flash format (``flash_format``; ``torch.save`` as the
+fallback) written into reused, pre-faulted segments (``segments``, ``flash_save``, device copies finished in
+the background by ``device_copy``); :func:`load` / :func:`load_latest` restore the newest step any rank
+holds, the same step on every rank (``restore``). Sharded (DCP) saves follow the same rules per node
+(``shard_*``: layout, save, replay, reader, restore, assemble, holdings); the worker API for them is
+:mod:`elastic.sharded`. File layouts (``layout``, ``shard_layout``) are standard library only, because the
+agent reads them and never imports torch.
+
+Raises: :class:`CheckpointError` (``elastic.errors``) for a state that does not fit shared memory (the
+message names the sizes) or checkpoint files none of which can be loaded.
+
+Owns: the checkpoint file formats and layouts, and the environment a worker's checkpoint calls read
+(``env``). Importing this package imports no torch; the worker API below resolves on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_LAZY_ATTRS: dict[str, str] = {
+    "save": "replicated",
+    "load": "replicated",
+    "load_latest": "replicated",
+    "flash_enabled": "replicated",
+    "LATEST_MARKER": "replicated",
+    "CheckpointError": "replicated",
+}
+__all__ = ["LATEST_MARKER", "CheckpointError", "flash_enabled", "load", "load_latest", "save"]
+
+if TYPE_CHECKING:
+    from elastic.checkpoint.replicated import (
+        LATEST_MARKER,
+        CheckpointError,
+        flash_enabled,
+        load,
+        load_latest,
+        save,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY_ATTRS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,239 @@
+"""File layout of replicated checkpoints, shared by the worker library and the agent's checkpoint keeper.
+
+Standard library only: the agent persists and prunes checkpoints with these helpers and never imports
+torch. The same layout is used on disk (``--ckpt-dir``) and in the agent's shared-memory folder::
+
+    step_0000000010.pt                     {"step": 10, "state": <the dict given to save>}: flash format
+                                           (elastic.checkpoint.flash_format) or torch.save (disk saves)
+    step_0000000020.pt
+    latest                                 "step_0000000020.pt" (disk only)
+    .step_0000000030.pt.<host>.<pid>.<hex>.tmp
+                                           a write in progress, or the leftover of a killed one
+    .segment.<hex>                         a spare flash-save segment (memory only,
+    elastic.checkpoint.segments)
+
+A checkpoint file appears under its final name only by ``rename`` once it is complete, so a reader sees
+either a whole checkpoint or none; temp files are never read. A temp name carries its writer's host and
+pid, so that a leftover is removed only once its writer is provably dead (same host, process gone, see
+:mod:`elastic.proc_liveness`): writers on other hosts sharing a folder never lose a write in progress.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import secrets
+import socket
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from elastic.proc_liveness import alive_since
+
+LATEST_MARKER = "latest"
+STEP_FILE = re.compile(r"^step_(\d{10,})\.pt$")
+TMP_SUFFIX = ".tmp"
+TEMP_FILE = re.compile(r"^\.(?P<final>.+)\.(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$")
+_HOST_UNSAFE = re.compile(r"[^A-Za-z0-9-]+")
+
+
+@dataclass(frozen=True)
+class TempName:
+    """What a temp file's name says about its write: the final name, the writer's host tag and pid."""
+
+    final: str
+    host: str
+    pid: int
+
+
+def host_tag() -> str:
+    """This host's name as it appears in temp names (dots and other characters replaced by ``_``)."""
+    return _HOST_UNSAFE.sub("_", socket.gethostname())[:63] or "_"
+
+
+def parse_temp_name(name: str) -> TempName | None:
+    """The parts of a temp name made by :func:`temp_path`; None for any other name."""
+    match = TEMP_FILE.match(name)
+    return TempName(match["final"], match["host"], int(match["pid"])) if match else None
+
+
+def step_file_name(step: int) -> str:
+    return f"step_{step:010d}.pt"
+
+
+def step_of(path: str | os.PathLike[str]) -> int | None:
+    """The step named by a checkpoint file name, or None for any other name."""
+    match = STEP_FILE.match(os.path.basename(path))
+    return int(match.group(1)) if match else None
+
+
+def temp_path(path: Path) -> Path:
+    """A fresh temp name next to ``path``: hidden, unique per writer (host and pid) and call."""
+    return path.with_name(f".{path.name}.{host_tag()}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+
+
+def fsync_dir(path: Path) -> None:
+    # A rename is durable only once the directory entry itself reaches the disk.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_temp(path: Path, write: Callable[[BinaryIO], object], *, durable: bool = True) -> Path:
+    """Write through ``write(fileobj)`` to a fresh temp file next to ``path`` and return its path; the
+    caller renames it (the commit) or removes it. ``durable``: fsync the file. Removed on failure."""
+    tmp = temp_path(path)
+    # os.open rather than tempfile.mkstemp: mkstemp makes files 0600, these follow the umask.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], object], *, durable: bool = True) -> None:
+    """Write through ``write(fileobj)`` to a temp file next to ``path``, then rename it over ``path``.
+
+    ``durable``: fsync the file before the rename and the folder after it (disk); skip both for a
+    memory-backed folder, where there is nothing to flush.
+    """
+    tmp = write_temp(path, write, durable=durable)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def checkpoint_files(directory: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoint files in ``directory`` as ``(step, path)``, newest first; [] if it is missing."""
+    found = []
+    try:
+        entries = list(directory.iterdir())
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        step = step_of(entry.name)
+        if step is not None and entry.is_file():
+            found.append((step, entry))
+    found.sort(reverse=True)
+    return found
+
+
+def writer_dead(name: str, modified: float, *, writers_stopped: bool = False) -> bool:
+    """Whether the writer of the temp file ``name`` (last modified at ``modified``) is provably dead:
+    of this host, and its process is gone (or its pid now belongs to a younger process). A name that
+    says nothing (another host's, or no pid) counts as dead only when the caller knows that every writer
+    of the folder has stopped (``writers_stopped``: the agent's workers, for its shared memory)."""
+    temp = parse_temp_name(name)
+    if temp is None or temp.host != host_tag():
+        return writers_stopped
+    return not alive_since(temp.pid, modified)
+
+
+def remove_temp_files(directory: Path, *, writers_stopped: bool = False) -> int:
+    """Remove the temp files whose writer is dead (see :func:`writer_dead`); returns the bytes freed.
+
+    Never a write in progress: another process's temp file stays while that process lives."""
+    freed = 0
+    try:
+        entries = list(directory.iterdir())
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        if not (entry.name.startswith(".") and entry.name.endswith(TMP_SUFFIX)):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # renamed (committed) or removed meanwhile
+        if stat.S_ISREG(info.st_mode) and writer_dead(
+            entry.name, info.st_mtime, writers_stopped=writers_stopped
+        ):
+            entry.unlink(missing_ok=True)
+            freed += info.st_size
+    return freed
+
+
+def prune(directory: Path, current: Path, keep: int, *, drop_newer: bool = True) -> None:
+    """Keep ``current`` and the newest ``keep - 1`` older checkpoints.
+
+    ``drop_newer``: checkpoints of steps *after* ``current`` are removed as well: they belong to a run
+    that was rolled back (training resumed from an earlier step), and ``current`` is the newest state of
+    this run. A folder that other writers share (the agents' ``--ckpt-dir``) passes False: a newer file
+    there may be another writer's, and is never this writer's to delete.
+    """
+    current_step = step_of(current.name)
+    older = []
+    for step, path in checkpoint_files(directory):
+        if path == current:
+            continue
+        if current_step is not None and step > current_step:
+            if drop_newer:
+                path.unlink(missing_ok=True)
+        else:
+            older.append(path)
+    for path in older[keep - 1 :]:
+        path.unlink(missing_ok=True)
+
+
+def read_marker(directory: Path) -> Path | None:
+    """The checkpoint named by the ``latest`` marker, or None (no marker, or not a name of ours)."""
+    try:
+        name = (directory / LATEST_MARKER).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
+        return None
+    # Only ever a file name of ours: a marker cannot point outside the directory.
+    return directory / name if STEP_FILE.match(name) else None
+
+
+def write_marker(directory: Path, checkpoint: Path) -> None:
+    """Point ``latest`` at ``checkpoint`` (atomically and durably; call once the checkpoint is durable)."""
+    atomic_write(directory / LATEST_MARKER, lambda f: f.write(checkpoint.name.encode()))
+
+
+# -- reading a checkpoint that its writer may recycle ------------------------------------------------
+def open_shared(path: Path) -> BinaryIO:
+    """Open a checkpoint to read it whole, holding a shared ``flock`` so that a flash writer does not
+    recycle it meanwhile (see :mod:`elastic.checkpoint.segments`: a writer takes ``LOCK_EX | LOCK_NB`` before
+    it renames a file away to overwrite it).
+
+    Raises FileNotFoundError, like a checkpoint pruned before it was opened, when the file is being
+    recycled or was recycled between the open and the lock (the name no longer names the open file).
+    On a file system without ``flock`` the file is read unlocked: no writer recycles files there.
+    """
+    f = open(path, "rb")  # noqa: SIM115 - returned open
+    try:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FileNotFoundError(errno.ENOENT, "being recycled by its writer", str(path)) from None
+        except OSError:
+            pass  # no flock here (e.g. some network file systems)
+        opened, named = os.fstat(f.fileno()), os.stat(path)
+        if (opened.st_dev, opened.st_ino) != (named.st_dev, named.st_ino):
+            raise FileNotFoundError(errno.ENOENT, "checkpoint was recycled by its writer", str(path))
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def read_shared(path: Path) -> bytes:
+    """The bytes of a checkpoint file, read under :func:`open_shared`'s lock."""
+    with open_shared(path) as f:
+        return f.read()

@@ -1,0 +1,326 @@
+"""Checkpoints of data-parallel (replicated) training: :func:`save`, :func:`load`, :func:`load_latest`.
+
+Under elastic-run, :func:`save` is a *flash* save: it writes the state into the shared-memory folder
+that the node's agent owns (``ELASTIC_SHM_DIR``, in ``/dev/shm``) and returns; no disk I/O happens in
+the worker. It is a memory copy of the tensors' bytes into a shared-memory segment that is reused from
+save to save (already faulted in: :mod:`elastic.checkpoint.flash_save`, :mod:`elastic.checkpoint.segments`),
+in the raw format of :mod:`elastic.checkpoint.flash_format` (torch.save only for states that format does not
+describe). The file is written under a temp name and renamed when complete (the rename is the commit), so a
+worker killed mid-save never leaves a torn checkpoint visible, and a worker killed right after a save leaves
+that save behind in the agent's memory. The agent persists it to ``ckpt_dir`` (default its
+``--ckpt-dir``) in the background (see ``agent/checkpoints/keeper.py``). Memory keeps the last
+:data:`elastic.checkpoint.memory.MEMORY_KEEP` saves.
+
+The state of data-parallel training is the same on every rank, so on each node only local rank 0
+writes it to memory (every node then holds a copy), and only the node with ``GROUP_RANK`` 0 asks the
+agent to persist it (one writer on a shared file system). The other ranks only report the step.
+
+Without an agent (plain torchrun, or no launcher), :func:`save` falls back to an atomic disk save by
+global rank 0 into ``ckpt_dir`` (temp file, fsync, rename, then the ``latest`` marker), keeping the
+newest ``keep``. Both use the layout of :mod:`elastic.checkpoint.layout`.
+
+:func:`load` restores the same step on every rank: the newest step that *every* rank can load, memory
+first, then disk, agreed through the process group. It never restores a mix of steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic import collectives
+from elastic.checkpoint import flash_save, layout, restore
+from elastic.checkpoint import memory as memory_ckpt
+from elastic.checkpoint.env import (
+    CKPT_DIR_ENV,
+    CKPT_RESET_ENV,
+    COMMITTED_STEP_ENV,
+    SHM_DIR_ENV,
+    CheckpointError,
+    check_args,
+    env_int,
+    node_local_rank,
+    resolve_dir,
+    resolve_rank,
+)
+from elastic.contract import DEFAULT_CKPT_KEEP
+from elastic.report import report, report_checkpoint
+
+LATEST_MARKER = layout.LATEST_MARKER
+
+log = logging.getLogger(__name__)
+_warned_memory_only = False
+
+
+def flash_enabled() -> bool:
+    """True under elastic-run: :func:`save` writes to the agent's shared memory."""
+    return bool(os.environ.get(SHM_DIR_ENV))
+
+
+# -- save -------------------------------------------------------------------------------------------
+def save(
+    state: dict[str, Any],
+    step: int,
+    ckpt_dir: str | os.PathLike[str] | None = None,
+    *,
+    keep: int = DEFAULT_CKPT_KEEP,
+    rank: int | None = None,
+    persist: bool = True,
+) -> Path | None:
+    """Save ``state`` as the checkpoint of ``step``.
+
+    Call it on every rank with the same (replicated) state.
+
+    Under elastic-run (``ELASTIC_SHM_DIR`` set) the save is a flash save: local rank 0 of each node
+    writes the state into the agent's shared memory (a memory copy into a reused segment, see
+    :mod:`elastic.checkpoint.flash_save`; GPU tensors are copied asynchronously and the save is reported once
+    they are in) and every rank reports the step to its agent; the call returns without disk I/O.
+    With ``persist`` (the default) the agent of node rank 0 then copies it to ``ckpt_dir`` (default
+    ``ELASTIC_CKPT_DIR``, i.e. elastic-run's ``--ckpt-dir``) in the background, keeping elastic-run's
+    ``--ckpt-keep``; ``persist=False`` keeps this save in memory only (e.g. save to memory every step,
+    persist every N steps). ``keep`` and ``rank`` are not used then.
+
+    Without an agent, global rank 0 writes the checkpoint to ``ckpt_dir`` atomically (temp file, fsync,
+    rename, then the ``latest`` marker) and keeps the newest ``keep``; the other ranks return at once.
+
+    Args:
+        state: what to restore later, e.g. ``{"model": m.state_dict(), "optimizer": o.state_dict()}``.
+            Keep to tensors, numbers, strings, None and containers of them: loading uses
+            ``weights_only=True``.
+        step: training steps completed; names the file, and the newest step is what is resumed.
+        ckpt_dir: directory of disk saves (created if needed); default ``ELASTIC_CKPT_DIR``.
+        keep: disk saves to keep, this one included (>= 1).
+        rank: global rank of the caller; default the ``RANK`` environment variable, else 0.
+        persist: under elastic-run, also persist this save to disk in the background.
+
+    Returns:
+        The file written (in shared memory or on disk) on the rank that wrote it, else ``None``.
+
+    Raises:
+        ValueError: no directory configured (disk mode), a negative ``step``, or ``keep < 1``.
+        TypeError: ``state`` is not a dict.
+        CheckpointError: the shared-memory folder is too small for the state (the message names the
+            size needed and the size available) or is gone, or the background part of the previous
+            save (device-to-host copies of GPU state) failed.
+    """
+    check_args(state, step)
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    shm_dir = os.environ.get(SHM_DIR_ENV)
+    if shm_dir:
+        return _flash_save(state, step, Path(shm_dir), ckpt_dir, persist)
+    return _disk_save(state, step, resolve_dir(ckpt_dir), keep, resolve_rank(rank))
+
+
+def _flash_save(
+    state: dict[str, Any],
+    step: int,
+    shm_dir: Path,
+    ckpt_dir: str | os.PathLike[str] | None,
+    persist: bool,
+) -> Path | None:
+    global _warned_memory_only
+    began = time.monotonic()  # the save's latency, reported to the agent (its checkpoint-save metric)
+    writes = node_local_rank() == 0
+    path = shm_dir / layout.step_file_name(step) if writes else None
+    # A location asks the agent to persist the file: only one node does, the others keep memory copies.
+    location = persist_to = ""
+    if path is not None and persist and env_int("GROUP_RANK", 0) == 0:
+        folder = ckpt_dir or os.environ.get(CKPT_DIR_ENV) or None  # '' counts as not given
+        if folder is not None:
+            # Absolute: the agent's working directory need not be the worker's.
+            location, persist_to = str(path), str(Path(folder).resolve())
+        elif not _warned_memory_only:
+            _warned_memory_only = True
+            log.warning(
+                "elastic.save: no checkpoint folder (ckpt_dir, or elastic-run --ckpt-dir): checkpoints "
+                "stay in shared memory only and do not survive the node"
+            )
+    if path is None:
+        report_checkpoint(step)
+        return None
+    # Reported once the file is visible: at the return, or later for device state (async copies).
+    return memory_ckpt.write(
+        state,
+        step,
+        shm_dir,
+        lambda: report_checkpoint(step, location, persist_to, save_s=time.monotonic() - began),
+    )
+
+
+def _disk_save(state: dict[str, Any], step: int, directory: Path, keep: int, rank: int) -> Path | None:
+    path = None
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / layout.step_file_name(step)
+        layout.atomic_write(path, lambda f: torch.save({"step": step, "state": state}, f))
+        # The marker moves only after the checkpoint it names is durable.
+        layout.write_marker(directory, path)
+        layout.prune(directory, path, keep)
+        layout.remove_temp_files(directory)
+    report_checkpoint(step)  # a no-op without an agent
+    return path
+
+
+# -- load -------------------------------------------------------------------------------------------
+def load_latest(
+    ckpt_dir: str | os.PathLike[str] | None = None, *, map_location: Any = "cpu"
+) -> tuple[dict[str, Any], int] | None:
+    """Load the newest complete checkpoint of one disk folder, on this rank alone.
+
+    Tries the file named by the ``latest`` marker first, then the ``step_*.pt`` files newest first, so a
+    missing marker, or one naming a missing or unreadable file, falls back to the next good checkpoint.
+    Temp files of unfinished saves are never read. For a restore that all ranks agree on, with the
+    agent's shared memory first, use :func:`load`.
+
+    Args:
+        ckpt_dir: directory; default the ``ELASTIC_CKPT_DIR`` environment variable.
+        map_location: passed to :func:`torch.load`; default loads tensors to CPU.
+
+    Returns:
+        ``(state, step)`` as given to :func:`save`, or ``None`` when there is no checkpoint yet.
+
+    Raises:
+        ValueError: no directory configured.
+        CheckpointError: checkpoint files exist but none can be loaded.
+    """
+    directory = resolve_dir(ckpt_dir)
+    if not directory.is_dir():
+        return None
+    candidates: list[Path] = []
+    marked = layout.read_marker(directory)
+    if marked is not None and marked.is_file():
+        candidates.append(marked)
+    candidates += [path for _, path in layout.checkpoint_files(directory) if path != marked]
+
+    errors: list[str] = []
+    found = restore.read_valid(candidates, lambda data: restore.parse_checkpoint(data, map_location), errors)
+    if found is not None:
+        return found[1]
+    if errors:
+        raise CheckpointError(f"no loadable checkpoint in {directory}; tried " + "; ".join(errors))
+    return None
+
+
+def _local_copies(ckpt_dir: str | os.PathLike[str] | None) -> dict[int, list[Path]]:
+    """Checkpoint files this rank can read, by step: the shared-memory copy first, then the disk one."""
+    copies: dict[int, list[Path]] = {}
+    folders = []
+    if os.environ.get(SHM_DIR_ENV):
+        folders.append(Path(os.environ[SHM_DIR_ENV]))
+    disk = ckpt_dir or os.environ.get(CKPT_DIR_ENV) or None  # '' counts as not given
+    if disk is not None:
+        folders.append(Path(disk))
+    for folder in folders:
+        for step, path in layout.checkpoint_files(folder):
+            copies.setdefault(step, []).append(path)
+    return copies
+
+
+def load(
+    ckpt_dir: str | os.PathLike[str] | None = None, *, map_location: Any = "cpu", step: int | None = None
+) -> tuple[dict[str, Any], int] | None:
+    """Restore the same checkpoint on every rank: the newest step that *any* rank holds.
+
+    Each rank lists the steps it can read, memory first (the agent's shared memory, ``ELASTIC_SHM_DIR``)
+    then disk (``ckpt_dir``, default ``ELASTIC_CKPT_DIR``). With a process group of more than one rank
+    the ranks exchange their lists, pick the newest step held anywhere, and the lowest-ranked holder
+    whose copy loads sends its bytes to every rank (see :mod:`elastic.checkpoint.restore`): a node that joins
+    or replaces a lost one resumes from its peers' memory, and no two ranks restore different states.
+    Should no copy of that step load, the ranks try the next newest together. On a node that lacked the
+    restored step, local rank 0 keeps the received copy in the agent's memory. Call it on every rank,
+    after :func:`elastic.init_process_group`.
+
+    Without a process group in a multi-rank world (no collective to agree with), the step the job
+    master recorded as committed (``ELASTIC_COMMITTED_STEP``, set by elastic-run) is the agreement.
+    ``ELASTIC_CKPT_RESET=1`` (``elastic-run --ckpt-reset``, first start only) makes this rank ignore its
+    own checkpoints: with it on every rank, training starts fresh.
+
+    Args:
+        ckpt_dir: disk folder; default ``ELASTIC_CKPT_DIR`` (none: memory only).
+        map_location: passed to :func:`torch.load`; default loads tensors to CPU.
+        step: restore exactly this step (some rank must hold a loadable copy).
+
+    Returns:
+        ``(state, step)`` as given to :func:`save`, or ``None`` when no rank holds a checkpoint.
+
+    Raises:
+        CheckpointError: checkpoints exist but none loads on any rank (starting fresh would throw the
+            job's progress away: the message names the override); ``step`` was given and no rank can
+            load it; or in a multi-rank world without a process group, checkpoints exist but no
+            committed step says which to restore.
+    """
+    flash_save.wait_all()  # a save whose device copies are still running is in the folder first
+    copies = _local_copies(ckpt_dir)
+    if os.environ.get(CKPT_RESET_ENV, "") in ("1", "true", "yes") and copies:
+        # This rank holds nothing, but still takes part in the agreement: another rank's copy wins.
+        log.warning("%s is set: ignoring this rank's checkpoints (steps %s)", CKPT_RESET_ENV, sorted(copies))
+        copies = {}
+    world = collectives.world_size()
+    committed = env_int(COMMITTED_STEP_ENV, None)
+    wanted = step
+    if wanted is None and world == 0 and (env_int("WORLD_SIZE", 1) or 1) > 1 and copies:
+        if committed is None:
+            raise CheckpointError(
+                "cannot agree on a checkpoint step without a process group: call "
+                "elastic.init_process_group() before elastic.load()"
+            )
+        wanted = committed
+    rank = torch.distributed.get_rank() if world > 0 else 0
+    try:
+        found = restore.restore(
+            copies, world, rank, wanted, lambda data: restore.parse_checkpoint(data, map_location)
+        )
+    except restore.NothingLoadableError as exc:
+        if wanted is not None:
+            raise CheckpointError(f"checkpoint step {wanted} is not loadable by any rank: {exc}") from None
+        raise CheckpointError(
+            f"checkpoints exist but none can be loaded ({exc}); starting fresh would lose the job's "
+            f"progress: to do so on purpose, run elastic-run with --ckpt-reset ({CKPT_RESET_ENV}=1) or "
+            "a new job id"
+        ) from None
+    if found is None:
+        if wanted is not None:
+            raise CheckpointError(f"checkpoint step {wanted} is not loadable by any rank: no rank holds it")
+        return None
+    (state, _), chosen, source, data = found
+    if committed is not None and chosen < committed:
+        log.warning(
+            "restoring step %d, older than the committed step %d: no rank holds a copy of the newer one",
+            chosen,
+            committed,
+        )
+    _forget_newer_memory(chosen)
+    if chosen not in copies:
+        _keep_in_memory(chosen, data)
+    log.info("restored the checkpoint of step %d from %s", chosen, source)
+    report(chosen)
+    report_checkpoint(chosen)
+    return state, chosen
+
+
+def _keep_in_memory(step: int, data: bytes) -> None:
+    """Store a step received from a peer in this node's shared memory, so the node holds it too."""
+    shm_dir = os.environ.get(SHM_DIR_ENV)
+    if not shm_dir or node_local_rank() != 0 or not Path(shm_dir).is_dir():
+        return
+    final = Path(shm_dir) / layout.step_file_name(step)
+    try:
+        layout.atomic_write(final, lambda f: f.write(data), durable=False)
+    except OSError as exc:  # the restore succeeded; only this node's extra copy is missing
+        log.warning("could not keep the restored step %d in shared memory: %s", step, exc)
+
+
+def _forget_newer_memory(step: int) -> None:
+    """Drop memory saves newer than the restored step: they belong to the run that is rolled back."""
+    shm_dir = os.environ.get(SHM_DIR_ENV)
+    if not shm_dir or node_local_rank() != 0:
+        return
+    for newer, path in layout.checkpoint_files(Path(shm_dir)):
+        if newer > step:
+            path.unlink(missing_ok=True)

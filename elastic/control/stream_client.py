@@ -1,0 +1,243 @@
+"""One agent stream: a single connection to a master carrying the agent's calls, multiplexed
+(docs/protocol.md, "The agent stream"). Synchronous and thread-safe; standard library only.
+
+After the upgrade (elastic.control.stream_transport), a call is one JSON line ``{"id", "op", "secret",
+"query", "body"}`` and its reply one line ``{"id", "status", "body"}``. Replies may come in any order (a watch
+long-poll waits while heartbeats are answered): one reader thread per connection hands each reply to the
+caller waiting for its id. Callers send under one lock and wait on their own event, each with its own
+timeout; a reply that comes after its caller gave up is dropped. When the connection ends, every pending
+call fails at once with :class:`StreamLost`, and so does every later call: a connection is never reopened
+(the owner, elastic.control.streams, opens a new one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import ssl
+import threading
+from typing import Any
+
+from elastic.control.protocol import STREAM_MAX_FRAME_BYTES
+from elastic.control.stream_transport import (
+    Pipe,
+    StreamError,
+    StreamLost,
+    StreamRefused,
+    StreamTimeout,
+    open_stream,
+)
+
+__all__ = [
+    "StreamConnection",
+    "StreamError",
+    "StreamFrameTooLarge",
+    "StreamLost",
+    "StreamRefused",
+    "StreamTimeout",
+]
+
+log = logging.getLogger(__name__)
+
+#: Longest reply line accepted from a master (its replies are a few KiB): beyond, the master broke the
+#: protocol and the connection is closed rather than buffered without end.
+MAX_REPLY_BYTES = 16 * 1024 * 1024
+
+
+class StreamFrameTooLarge(StreamError):
+    """A call longer than the master reads on a stream (STREAM_MAX_FRAME_BYTES); nothing was sent."""
+
+
+class _Waiter:
+    """One pending call: set once, by the reader (a reply) or by the end of the connection (an error)."""
+
+    __slots__ = ("done", "reply", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.reply: tuple[int, Any] | None = None
+        self.error: BaseException | None = None
+
+
+def encode_call(
+    call_id: int, op: str, *, secret: str | None, query: dict[str, Any] | None, body_json: str | None
+) -> bytes:
+    """The frame of one call. ``body_json``: the body as compact JSON text (a pydantic model's
+    ``model_dump_json()``), put in as it is."""
+    text = f'{{"id":{call_id},"op":{json.dumps(op)}'
+    if secret is not None:
+        text += f',"secret":{json.dumps(secret)}'
+    if query:
+        text += f',"query":{json.dumps(query, separators=(",", ":"))}'
+    if body_json is not None:
+        if "\n" in body_json:  # a newline ends a frame; compact JSON never holds one
+            raise ValueError("a stream call's body must be compact JSON (no newline)")
+        text += f',"body":{body_json}'
+    return (text + "}\n").encode()
+
+
+class StreamConnection:
+    """A stream to the master at ``address``, open from :meth:`open` until :meth:`close` or its loss."""
+
+    def __init__(self, address: str, pipe: Pipe, leftover: bytes = b"") -> None:
+        self.address = address
+        self._pipe = pipe
+        self._sock = pipe.sock
+        self._lock = threading.Lock()  # the pending calls, the id counter, the state
+        self._send_lock = threading.Lock()  # one frame at a time on the wire
+        self._sock_lock = threading.Lock()  # shutdown vs close of the socket (never a reused descriptor)
+        self._pending: dict[int, _Waiter] = {}
+        self._last_id = 0
+        self._error: StreamLost | None = None  # set once the connection is over
+        self._ending: str | None = None  # why this side ends it (close, a failed send)
+        self._sock_closed = False
+        self._reader = threading.Thread(
+            target=self._read, args=(leftover,), name=f"master-stream {address}", daemon=True
+        )
+        self._reader.start()
+
+    @classmethod
+    def open(
+        cls,
+        address: str,
+        headers: dict[str, str],
+        *,
+        tls: ssl.SSLContext | None,
+        timeout: float,
+        send_timeout: float | None = None,
+    ) -> StreamConnection:
+        """Connect and upgrade (see :func:`elastic.control.stream_transport.open_stream` for the time limits
+        and
+        the errors: :class:`StreamRefused`, :class:`StreamLost`, :class:`StreamTimeout`)."""
+        opened = open_stream(address, headers, tls=tls, timeout=timeout, send_timeout=send_timeout or timeout)
+        return cls(address, opened.pipe, opened.leftover)
+
+    @property
+    def closed(self) -> bool:
+        """True once the connection is over (closed by either side, or broken)."""
+        return self._error is not None or self._ending is not None
+
+    def call(
+        self,
+        op: str,
+        *,
+        timeout: float,
+        secret: str | None = None,
+        query: dict[str, Any] | None = None,
+        body_json: str | None = None,
+    ) -> tuple[int, Any]:
+        """Send one call and wait at most ``timeout`` seconds for its reply: ``(status, body)``, the body
+        decoded from JSON. Raises :class:`StreamTimeout` (the connection stays), :class:`StreamLost` (it is
+        over), :class:`StreamFrameTooLarge` (nothing sent)."""
+        waiter = _Waiter()
+        with self._lock:
+            self._raise_if_over()
+            self._last_id += 1
+            call_id = self._last_id
+            self._pending[call_id] = waiter
+        frame = encode_call(call_id, op, secret=secret, query=query, body_json=body_json)
+        if len(frame) > STREAM_MAX_FRAME_BYTES + 1:
+            self._forget(call_id)
+            raise StreamFrameTooLarge(f"a {op} call of {len(frame)} bytes is over the stream's frame limit")
+        try:
+            with self._send_lock:
+                self._pipe.send(frame)
+        except OSError as exc:  # a blocked send past its time, a reset: the connection is unusable
+            self._forget(call_id)
+            self._end(f"a send failed: {exc}")
+            raise StreamLost(f"sending to the master at {self.address} failed: {exc}") from exc
+        if not waiter.done.wait(timeout):
+            self._forget(call_id)  # a reply that comes now is dropped
+            if not waiter.done.is_set():
+                raise StreamTimeout(f"no reply from the master at {self.address} within {timeout:g}s")
+        if waiter.error is not None:
+            raise StreamLost(str(waiter.error)) from waiter.error.__cause__
+        reply = waiter.reply
+        if reply is None:  # cannot happen: done without an error means the reader set the reply
+            raise StreamLost(f"the stream to the master at {self.address} lost a reply")
+        return reply
+
+    def close(self) -> None:
+        """Close the connection: pending calls fail with :class:`StreamLost`; returns once the reader
+        thread has ended and the socket is closed."""
+        self._end("closed by the client")
+        if threading.current_thread() is not self._reader:
+            self._reader.join()
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _raise_if_over(self) -> None:
+        if self._error is not None:
+            raise StreamLost(str(self._error)) from self._error.__cause__
+        if self._ending is not None:
+            raise StreamLost(f"the stream to the master at {self.address} is {self._ending}")
+
+    def _forget(self, call_id: int) -> None:
+        with self._lock:
+            self._pending.pop(call_id, None)
+
+    def _end(self, why: str) -> None:
+        """End the connection from this side: the reader wakes (end of stream) and fails what is pending."""
+        with self._lock:
+            if self._ending is None:
+                self._ending = why
+        with self._sock_lock:
+            if not self._sock_closed:
+                with contextlib.suppress(OSError):  # already reset by the master: the reader sees it too
+                    self._sock.shutdown(socket.SHUT_RDWR)
+
+    def _read(self, leftover: bytes) -> None:
+        buffer = bytearray(leftover)
+        cause: BaseException | None = None
+        try:
+            while True:
+                self._dispatch_lines(buffer)
+                if len(buffer) > MAX_REPLY_BYTES:
+                    raise StreamLost(f"a reply of over {MAX_REPLY_BYTES} bytes")
+                data = self._pipe.recv()
+                if not data:
+                    break
+                buffer += data
+        except (OSError, ValueError) as exc:  # the socket failed, or the master broke the protocol
+            cause = exc
+        finally:
+            self._finish(cause)
+
+    def _dispatch_lines(self, buffer: bytearray) -> None:
+        start = 0
+        while (end := buffer.find(b"\n", start)) >= 0:
+            self._dispatch(bytes(buffer[start:end]))
+            start = end + 1
+        del buffer[:start]
+
+    def _dispatch(self, line: bytes) -> None:
+        message = json.loads(line)  # ValueError ends the connection: the master broke the protocol
+        call_id = message.get("id") if isinstance(message, dict) else None
+        status = message.get("status") if isinstance(message, dict) else None
+        if not isinstance(call_id, int) or not isinstance(status, int):
+            raise ValueError(f"a reply without an int id and status: {line[:200]!r}")
+        if call_id == 0:  # about a frame the master could not read (413 closes the connection)
+            log.warning("the master at %s refused a frame: %s %s", self.address, status, message.get("body"))
+            return
+        with self._lock:  # set under the lock: a caller that times out now finds it either done or gone
+            waiter = self._pending.pop(call_id, None)
+            if waiter is not None:
+                waiter.reply = (status, message.get("body"))
+                waiter.done.set()
+
+    def _finish(self, cause: BaseException | None) -> None:
+        with self._lock:
+            why = self._ending or (f"{cause}" if cause is not None else "closed by the master")
+            error = StreamLost(f"the stream to the master at {self.address} ended: {why}")
+            error.__cause__ = cause
+            self._error = error
+            pending, self._pending = self._pending, {}
+            for waiter in pending.values():
+                waiter.error = error
+                waiter.done.set()
+        # Not while a frame is being sent: the descriptor must not be closed (and reused) under a send.
+        with self._send_lock, self._sock_lock:
+            self._sock_closed = True
+            self._sock.close()
+        log.debug("stream to %s ended: %s", self.address, why)

@@ -1,0 +1,371 @@
+"""``elastic-master``: the job master daemon, ``elastic-master status`` and ``elastic-master readmit``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+import click
+
+from elastic.control import job_settings as ms
+from elastic.control.auth import (
+    TOKEN_ENV,
+    TokenError,
+    create_token_file,
+    loose_permissions_warning,
+    read_token_file,
+)
+from elastic.control.cli_options import job_policy_options
+from elastic.control.listener_rules import MASTER_API, Auth, check_listener
+from elastic.control.tls import (
+    TLS_CA_ENV,
+    TLS_CERT_ENV,
+    TLS_KEY_ENV,
+    TLSConfigError,
+    client_context,
+    server_context,
+)
+from master.cli.conn_options import connection_options, connection_settings
+from master.cli.observability_options import bind_metrics, observability_options, observability_settings
+from master.service.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+
+
+def _resolve_token(token_file: str | None) -> str:
+    """Token from --token-file (created with a random token when missing), else ELASTIC_TOKEN."""
+    if token_file:
+        if not os.path.exists(token_file):
+            token = create_token_file(token_file)
+            log.info("created token file %s (share it with every agent of the job)", token_file)
+            return token
+        if warning := loose_permissions_warning(token_file):
+            log.warning("%s", warning)
+        return read_token_file(token_file)
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    raise click.UsageError("pass --token-file PATH (created if missing) or set ELASTIC_TOKEN")
+
+
+def _check_tls(cert: str | None, key: str | None) -> None:
+    """Both TLS files or neither, and usable: checked before the port is bound, as a one-line error."""
+    if bool(cert) != bool(key):
+        raise click.UsageError("--tls-cert and --tls-key go together: give both (https) or neither (http)")
+    if cert and key:
+        try:
+            server_context(cert, key)
+        except TLSConfigError as exc:
+            error = click.ClickException(str(exc))
+            error.exit_code = 2  # a bad file on the command line, like a bad flag
+            raise error from None
+
+
+@click.group(context_settings=CONTEXT, invoke_without_command=True)
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=29400, show_default=True, help="Port to listen on."
+)
+@click.option("--job-id", default=None, help="Id of the job this master serves (required to serve).")
+@click.option("--nnodes", default="1:1", show_default=True, help="Number of nodes, N or MIN:MAX.")
+@job_policy_options(embedded=False)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=ms.DEFAULT_MAX_RESTARTS,
+    show_default=True,
+    help="Job-wide restarts after worker failures (membership changes are free).",
+)
+@click.option(
+    "--flap-limit",
+    type=click.IntRange(min=0),
+    default=ms.DEFAULT_FLAP_LIMIT,
+    show_default=True,
+    help="Exclude a node id lost (declared dead, or its agent restarted) more than this many times within "
+    "--flap-window; 0 turns this off.",
+)
+@click.option(
+    "--flap-window",
+    type=click.FloatRange(min=0, min_open=True),
+    default=ms.DEFAULT_FLAP_WINDOW_S,
+    show_default=True,
+    help="Seconds over which a node's losses count for --flap-limit.",
+)
+@click.option(
+    "--flap-cooldown",
+    type=click.FloatRange(min=0, min_open=True),
+    default=ms.DEFAULT_FLAP_COOLDOWN_S,
+    show_default=True,
+    help="Seconds a flapping node stays excluded before a join is accepted again ('elastic-master "
+    "readmit' lifts it earlier).",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Bearer token file; created with a random token if missing.",
+)
+@click.option(
+    "--store",
+    "store_url",
+    default="memory://",
+    show_default=True,
+    help="Where job state lives: memory:// or etcd://[USER@]HOST:PORT[,HOST:PORT] (durable; enables standby "
+    "masters and restarts without stopping training).",
+)
+@click.option(
+    "--store-password-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="File holding the password of the etcd user named in --store (etcd with authentication on).",
+)
+@click.option(
+    "--tls-cert",
+    type=click.Path(dir_okay=False),
+    envvar=TLS_CERT_ENV,
+    default=None,
+    help="Serve https with this PEM certificate (chain); needs --tls-key. Agents then need --tls-ca. "
+    f"Default: {TLS_CERT_ENV}.",
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(dir_okay=False),
+    envvar=TLS_KEY_ENV,
+    default=None,
+    help=f"The certificate's PEM private key (unencrypted). Default: {TLS_KEY_ENV}.",
+)
+@observability_options
+@connection_options
+@click.pass_context
+def cli(ctx: click.Context, **opts) -> None:
+    """Serve one elastic job: rendezvous rounds, heartbeats, failure verdicts.
+
+    \b
+    Example:
+      elastic-master --port 29400 --job-id j1 --nnodes 2:4 --token-file tok
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if not opts["job_id"]:
+        raise click.UsageError("--job-id is required to serve a job")
+    try:
+        low, high = ms.parse_nnodes(opts["nnodes"])
+        job = ms.JobSettings(
+            job_id=opts["job_id"],
+            min_nodes=low,
+            max_nodes=high,
+            node_unit=opts["node_unit"],
+            last_call_s=opts["last_call"],
+            join_timeout_s=opts["join_timeout"],
+            heartbeat_interval_s=opts["heartbeat_interval"],
+            heartbeat_timeout_s=opts["heartbeat_timeout"],
+            max_restarts=opts["max_restarts"],
+            straggler_factor=opts["straggler_factor"],
+            node_check=opts["node_check"],
+            node_check_factor=opts["node_check_factor"],
+            flap_limit=opts["flap_limit"],
+            flap_window_s=opts["flap_window"],
+            flap_cooldown_s=opts["flap_cooldown"],
+        )
+    except ms.SettingsError as exc:
+        raise click.UsageError(str(exc)) from None
+    _check_tls(opts["tls_cert"], opts["tls_key"])
+    try:
+        token = _resolve_token(opts["token_file"])
+    except (TokenError, OSError) as exc:
+        raise click.UsageError(str(exc)) from None
+    from master.http.serving import bind_socket, serve_forever  # web stack only when serving
+    from master.service.fault_hook import tick_fault_from_env
+    from master.service.supervision import MasterFailure
+    from master.store.base import StoreError
+    from master.store.factory import check_store, open_store, read_password_file
+
+    try:
+        tick_fault_s = tick_fault_from_env()  # the test hook (master/service/fault_hook.py)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    settings = ServerSettings(
+        job=job,
+        token=token,
+        host=opts["host"],
+        port=opts["port"],
+        store_url=opts["store_url"],
+        tls_cert=opts["tls_cert"],
+        tls_key=opts["tls_key"],
+    )
+    settings = connection_settings(observability_settings(settings, opts), opts)
+    try:
+        password = read_password_file(opts["store_password_file"]) if opts["store_password_file"] else None
+    except StoreError as exc:
+        raise click.BadParameter(str(exc), param_hint="--store-password-file") from None
+    try:
+        check_store(settings.store_url, job.job_id, password=password)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+    for warning in check_listener(MASTER_API, settings.host, auth=Auth.SECRET, tls=bool(settings.tls_cert)):
+        log.warning("%s", warning)  # the master always has a secret token: only warnings, never a refusal
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}"
+        ) from None
+    host, port = sock.getsockname()[:2]
+    # The plain line is unchanged (scripts and tests match it to its end); TLS adds a suffix.
+    log.info("listening on %s:%d%s", host, port, " (https)" if settings.tls_cert else "")
+    settings, metrics_sock = bind_metrics(settings, opts["metrics_port"], bind_socket)
+    store = open_store(settings.store_url, job.job_id, password=password)
+    try:
+        serve_forever(settings, sock, store, metrics_sock, tick_fault_s=tick_fault_s)
+    except MasterFailure as exc:  # it resigned already: a standby or the process supervisor takes over
+        raise click.ClickException(str(exc)) from None
+
+
+def client_options(command: Callable) -> Callable:
+    """The options of a command that calls the leading master: where it is, the job, the token, TLS."""
+    for option in reversed(
+        [
+            click.option(
+                "--master", "master", required=True, help="Master HOST:PORT (comma-separated for several)."
+            ),
+            click.option("--job-id", required=True, help="Job id."),
+            click.option(
+                "--token-file", type=click.Path(dir_okay=False), default=None, help="Bearer token file."
+            ),
+            click.option(
+                "--tls-ca",
+                type=click.Path(dir_okay=False),
+                envvar=TLS_CA_ENV,
+                default=None,
+                help="Speak https and verify the master's certificate with this PEM CA file. Default: "
+                f"{TLS_CA_ENV}.",
+            ),
+        ]
+    ):
+        command = option(command)
+    return command
+
+
+@cli.command()
+@client_options
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON status.")
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="A live view in the terminal (nodes, the round and why it waits, goodput, checkpoints, recent "
+    "events), redrawn every --interval until Ctrl-C.",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="Seconds between two redraws of --watch.",
+)
+def status(
+    master: str,
+    job_id: str,
+    token_file: str | None,
+    tls_ca: str | None,
+    as_json: bool,
+    watch: bool,
+    interval: float,
+) -> None:
+    """Print the job's nodes: id, rank, state, heartbeat age, restarts, round, world size, step time and
+    flags (straggler, node-check verdict), then the node-check figures when the job ran a check, the
+    nodes whose checkpoint persists fail, with the error, and what the round waits for."""
+    from elastic.control.error_table import MasterError
+    from master.cli.status_view import render_status
+
+    if watch and as_json:
+        raise click.UsageError("--watch and --json exclude each other (--json is for scripts)")
+    client = _client(master, job_id, token_file, tls_ca)
+    if watch:
+        _watch(client, interval)
+        return
+    try:
+        job = client.status()
+    except MasterError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        client.close()
+    click.echo(job.model_dump_json(indent=2) if as_json else render_status(job))
+
+
+@cli.command()
+@click.argument("node_id")
+@client_options
+def readmit(node_id: str, master: str, job_id: str, token_file: str | None, tls_ca: str | None) -> None:
+    """Re-admit NODE_ID, excluded for flapping, before its --flap-cooldown ends: its next join is accepted
+    (docs/failures.md, "Flapping nodes")."""
+    from elastic.control.error_table import MasterError
+
+    client = _client(master, job_id, token_file, tls_ca)
+    try:
+        reply = client.readmit(node_id)
+    except MasterError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        client.close()
+    click.echo(reply.message)
+
+
+def _client(master: str, job_id: str, token_file: str | None, tls_ca: str | None):
+    """A :class:`elastic.control.client.MasterClient` for an operator's command; bad options are usage
+    errors."""
+    from elastic.control.addresses import parse_addresses
+    from elastic.control.auth import derived_token
+    from elastic.control.client import MasterClient
+
+    try:
+        addresses = parse_addresses(master)
+        token = (
+            read_token_file(token_file)
+            if token_file
+            else os.environ.get("ELASTIC_TOKEN") or derived_token(job_id)
+        )
+        if tls_ca:
+            client_context(tls_ca)  # a bad CA file is a usage error, before any connection
+    except (ValueError, TokenError) as exc:  # TLSConfigError is a ValueError
+        raise click.UsageError(str(exc)) from None
+    return MasterClient(addresses, job_id, token, tls_ca=tls_ca)
+
+
+def _watch(client, interval: float) -> None:
+    """``status --watch``: the live view until Ctrl-C; a refused request (wrong token or job) ends it."""
+    from rich.console import Console
+
+    from elastic.control.error_table import MasterError
+    from master.cli.status_watch import watch
+
+    console = Console()
+    try:
+        if not console.is_terminal:
+            raise click.UsageError("--watch needs a terminal; use the plain table or --json in scripts")
+        client.status()  # a wrong token or job id is one line and exit 1, not a view that says so forever
+        watch(client.status, interval, console, errors=(MasterError,))  # later: shown in the view, retried
+    except MasterError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: one-line errors, exit 2 for bad input."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        code = cli.main(args=argv, prog_name="elastic-master", standalone_mode=False)
+    except click.UsageError as exc:
+        hint = exc.ctx.command_path if exc.ctx else "elastic-master"  # 'elastic-master status' for status
+        print(f"elastic-master: error: {exc.format_message()} (see '{hint} --help')", file=sys.stderr)
+        sys.exit(2)
+    except click.ClickException as exc:
+        print(f"elastic-master: error: {exc.format_message()}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,325 @@
+"""The master's guard against running out of file descriptors (docs/operations.md, "Open files and
+connections"):
+
+- :func:`raise_open_file_limit`: at start, the soft ``RLIMIT_NOFILE`` goes up to the hard limit.
+- A connection cap, :func:`connection_cap` (the soft limit less :data:`RESERVED_FDS`): a connection beyond
+  it first evicts the oldest connection that has not sent a request yet; when every connection is busy
+  with requests, the new one is answered ``503 busy`` and closed at once (agents retry 5xx), so connections
+  never pile up unaccepted.
+- A first-request timeout: a connection that has not sent a complete request head within
+  ``header_timeout_s`` is closed. uvicorn's own keep-alive timeout starts only after a first response, so a
+  connection that never sends a request would otherwise stay forever. A request in flight (a long-poll) is
+  never cut; between two requests uvicorn's keep-alive rule applies. Under TLS the handshake, before any
+  request, gets the same time (:func:`tls_handshake_timeout`; asyncio's default is 60 s).
+- Out-of-descriptor errors (``accept()`` failing with EMFILE, an application error with EMFILE) are logged
+  at most once per :data:`master.http.rate_limits.LOG_INTERVAL_S`, with the count of suppressed ones.
+
+The cap and the timeout live in :class:`GuardedH11Protocol`, uvicorn's h11 protocol (the one uvicorn
+picks without httptools) with three hooks, passed to uvicorn as ``Config(http=...)``. It also hands the
+agent stream's upgrade (``GET /v1/stream``, master.http.stream) to its endpoint: a stream connection stays
+counted (and under the cap) until it closes, and is never closed as idle."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import resource
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from elastic.control.error_table import ErrorCode
+from elastic.control.protocol import ErrorBody
+from master.http.rate_limits import LogLimiter
+from master.service.settings import DEFAULT_HEADER_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from master.http.stream import StreamEndpoint
+
+log = logging.getLogger(__name__)
+
+#: Descriptors kept out of the connection cap for the master itself: listeners, the store's connections,
+#: log files, the event loop.
+RESERVED_FDS = 64
+#: The kernel's queue of connections waiting to be accepted (``listen()``), as :func:`bind_socket` sets it.
+LISTEN_BACKLOG = 2048
+#: asyncio accepts up to its ``backlog`` connections per wake-up, each holding a descriptor until its
+#: protocol is made (two loop turns later) and admits or refuses it: that many accepts, on two listeners
+#: (API and metrics), are also kept out of the cap.
+ACCEPTS_IN_FLIGHT = 4
+#: The smallest cap, whatever the limit (a master must answer a few agents to be of any use).
+MIN_CONNECTIONS = 16
+#: Connections one agent holds to the master: its stream (master.http.stream) carries every call.
+CONNECTIONS_PER_AGENT = 1
+#: Below this hard open-file limit the start-up line is a warning that says how few agents fit.
+LOW_FD_LIMIT = 4096
+#: Used when the hard limit is unlimited (Linux refuses more than ``fs.nr_open``, 1048576 by default).
+UNLIMITED_TARGET = 1 << 20
+#: errno values that mean "out of descriptors or kernel memory": logged by :func:`resource_exhausted`.
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+DOCS_HINT = "docs/operations.md, 'Open files and connections'"
+
+
+@dataclass(frozen=True)
+class FileLimit:
+    """The open-file limits after :func:`raise_open_file_limit` (``before``: the soft limit found)."""
+
+    soft: int
+    hard: int
+    before: int
+
+
+def raise_open_file_limit() -> FileLimit:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit (an unprivileged process may); the
+    limits as they are then. A refusal leaves the soft limit as it was."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = UNLIMITED_TARGET if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+            return FileLimit(soft, hard, soft)
+        return FileLimit(target, hard, soft)
+    return FileLimit(soft, hard, soft)
+
+
+def accept_batch(soft_limit: int) -> int:
+    """Connections asyncio accepts per wake-up of a listener: 1/32 of the open-file limit, 16 to 2048."""
+    return min(LISTEN_BACKLOG, max(16, soft_limit // 32))
+
+
+def connection_cap(soft_limit: int) -> int:
+    """The connections a master with this soft open-file limit serves at once: the limit less
+    :data:`RESERVED_FDS` and :data:`ACCEPTS_IN_FLIGHT` accept batches, at least :data:`MIN_CONNECTIONS`."""
+    return max(soft_limit - RESERVED_FDS - ACCEPTS_IN_FLIGHT * accept_batch(soft_limit), MIN_CONNECTIONS)
+
+
+def resolve_cap(limit: FileLimit, max_connections: int | None) -> int:
+    """The cap to serve with (``--max-connections`` when given, at most what the descriptors allow), after
+    logging the limits once: a warning, with the way out, when they hold few agents."""
+    allowed = connection_cap(limit.soft)
+    cap = allowed if max_connections is None else min(max_connections, allowed)
+    if max_connections is not None and max_connections > allowed:
+        log.warning(
+            "--max-connections %d exceeds what %d open files allow; serving at most %d (%s)",
+            max_connections,
+            limit.soft,
+            allowed,
+            DOCS_HINT,
+        )
+    agents = cap // CONNECTIONS_PER_AGENT
+    raised = f" (raised from {limit.before})" if limit.soft != limit.before else ""
+    if limit.hard < LOW_FD_LIMIT:
+        log.warning(
+            "open-file limit %d%s, hard limit %d: at most %d connections, about %d agents; raise the hard "
+            "limit (LimitNOFILE= for systemd, --ulimit nofile= for containers; %s)",
+            limit.soft,
+            raised,
+            limit.hard,
+            cap,
+            agents,
+            DOCS_HINT,
+        )
+    else:
+        log.info(
+            "open-file limit %d%s: at most %d connections, about %d agents", limit.soft, raised, cap, agents
+        )
+    return cap
+
+
+def _busy_reply(cap: int) -> bytes:
+    body = ErrorBody(
+        error=ErrorCode.BUSY, message=f"the master serves its maximum of {cap} connections; retry later"
+    ).model_dump_json()
+    return (
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\nretry-after: 1\r\n\r\n{body}"
+    ).encode()
+
+
+class ConnectionGuard:
+    """The state shared by a server's connections: the cap, the first-request timeout, and the
+    connections still waiting for their first request, oldest first."""
+
+    def __init__(self, cap: int, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> None:
+        self.cap, self.header_timeout_s = cap, header_timeout_s
+        self._waiting: OrderedDict[GuardedH11Protocol, asyncio.TimerHandle] = OrderedDict()
+        self._busy = _busy_reply(cap)
+        self._log_limiter = LogLimiter()
+        #: Connections served now, and how many were closed by the guard, by reason (``/metrics``).
+        self.open = 0
+        self.closed: dict[str, int] = {"evicted": 0, "refused": 0, "timed_out": 0}
+
+    def admit(self, protocol: GuardedH11Protocol) -> bool:
+        """Whether a new connection may be served: under the cap, or once the oldest connection without a
+        request is closed to make room. Otherwise it is answered 503 ``busy`` and closed."""
+        if len(protocol.connections) < self.cap:
+            return True
+        if self._waiting:
+            oldest, timer = self._waiting.popitem(last=False)
+            timer.cancel()
+            oldest.transport.close()
+            self.closed["evicted"] += 1
+            self._note("evicted the oldest connection that had sent no request")
+            return True
+        self.closed["refused"] += 1
+        self._note("answered a new connection 503 busy")
+        return False
+
+    def refuse(self, transport: asyncio.Transport) -> None:
+        transport.write(self._busy)
+        transport.close()
+
+    def await_request(self, protocol: GuardedH11Protocol) -> None:
+        """Close ``protocol``'s connection unless its first request head arrives in time."""
+        timer = protocol.loop.call_later(self.header_timeout_s, self._expire, protocol)
+        self._waiting[protocol] = timer
+
+    def request_started(self, protocol: GuardedH11Protocol) -> None:
+        timer = self._waiting.pop(protocol, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _expire(self, protocol: GuardedH11Protocol) -> None:
+        if self._waiting.pop(protocol, None) is not None:
+            self.closed["timed_out"] += 1
+            protocol.transport.close()
+
+    def _note(self, what: str) -> None:
+        suppressed = self._log_limiter.admit()
+        if suppressed is not None:
+            more = f"; {suppressed} more such events since the last line" if suppressed else ""
+            log.warning("at the connection cap (%d): %s (%s%s)", self.cap, what, DOCS_HINT, more)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol under a :class:`ConnectionGuard` (set on the subclass :func:`guarded_protocol`
+    makes): admitted or refused when the connection is made, timed until its first request."""
+
+    guard: ConnectionGuard
+    stream: StreamEndpoint | None = None
+    _refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if not self.guard.admit(self):
+            self._refused = True  # never counted as a connection of the server
+            self.guard.refuse(transport)
+            return
+        super().connection_made(transport)
+        self.guard.open += 1
+        self.guard.await_request(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        if self.cycle is not None:  # a complete request head arrived: the first-request timer is done
+            self.guard.request_started(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._refused:
+            return
+        self.guard.request_started(self)  # forget its timer, if still waiting
+        self.guard.open -= 1
+        super().connection_lost(exc)
+
+    def _should_upgrade(self) -> bool:
+        # uvicorn asks on every request head. The agent stream is the only upgrade this master makes (no
+        # WebSocket: ``ws="none"``); any other request, Upgrade header or not, goes to the app as a plain
+        # request (without uvicorn's warning line per such request).
+        return self.stream is not None and self.stream.wants(self)
+
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        # uvicorn's hook for "switch protocols now": here always the agent stream (see _should_upgrade).
+        self.guard.request_started(self)  # a request came: no first-request timer, never evicted as idle
+        if self.stream is not None:
+            self.stream.upgrade(self)
+
+
+def guarded_protocol(
+    guard: ConnectionGuard, stream: StreamEndpoint | None = None
+) -> type[GuardedH11Protocol]:
+    """A protocol class for ``uvicorn.Config(http=...)`` whose connections share ``guard``; with
+    ``stream``, ``GET /v1/stream`` upgrades to the agent stream (master.http.stream)."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": guard, "stream": stream})
+
+
+def resource_exhausted(exc: BaseException | None) -> bool:
+    """Whether ``exc`` says the process is out of descriptors (or the kernel out of buffers)."""
+    return isinstance(exc, OSError) and exc.errno in RESOURCE_ERRNOS
+
+
+class ResourceLogFilter(logging.Filter):
+    """Lets through one record about descriptor exhaustion per interval, without its traceback and with the
+    count of suppressed ones; other records pass unchanged. Installed on the loggers that report them."""
+
+    def __init__(self, limiter: LogLimiter | None = None) -> None:
+        super().__init__()
+        self.limiter = limiter or LogLimiter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not resource_exhausted(exc):
+            return True
+        suppressed = self.limiter.admit()
+        if suppressed is None:
+            return False
+        more = f"; {suppressed} more such errors since the last line" if suppressed else ""
+        record.msg = f"{record.getMessage()}: {exc} ({DOCS_HINT}{more})"
+        record.args, record.exc_info, record.exc_text = None, None, None
+        return True
+
+
+#: One filter per process, shared by every master in it (an embedded master and tests start several).
+_FILTER = ResourceLogFilter()
+#: asyncio logs a failed accept(); uvicorn logs an application's unexpected error.
+_FILTERED_LOGGERS = ("asyncio", "uvicorn.error", __name__, "master.http.serving", "master.service.service")
+
+
+def install_log_filter() -> None:
+    """Rate-limit descriptor-exhaustion records of the loggers that report them (idempotent)."""
+    for name in _FILTERED_LOGGERS:
+        logger = logging.getLogger(name)
+        if _FILTER not in logger.filters:
+            logger.addFilter(_FILTER)
+
+
+def loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The event loop's exception handler: descriptor exhaustion (a failed ``accept()``) goes through the
+    rate-limited filter as one line; anything else to asyncio's default handler."""
+    exc = context.get("exception")
+    if resource_exhausted(exc):
+        logging.getLogger("asyncio").error(context.get("message", "out of resources"), exc_info=exc)
+        return
+    loop.default_exception_handler(context)
+
+
+@contextlib.contextmanager
+def tls_handshake_timeout(loop: asyncio.AbstractEventLoop, timeout_s: float) -> Iterator[None]:
+    """While in this block, TLS listeners ``loop`` creates give a handshake at most ``timeout_s``: uvicorn
+    passes no ``ssl_handshake_timeout`` to ``loop.create_server``, and a connection still in its handshake
+    has made no protocol yet, so the first-request timer cannot close it. A loop whose methods cannot be
+    wrapped (uvloop) keeps its default."""
+    original = loop.create_server
+
+    async def create_server(*args: Any, **kwargs: Any) -> asyncio.Server:
+        if kwargs.get("ssl") is not None:
+            kwargs.setdefault("ssl_handshake_timeout", timeout_s)
+        return await original(*args, **kwargs)
+
+    try:
+        loop.create_server = create_server  # type: ignore[method-assign]
+    except AttributeError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        del loop.create_server  # the class's method again

@@ -1,0 +1,45 @@
+"""The errors a request to the job can cause. Each names itself on the wire with ``code`` (the error
+table in :mod:`elastic.control.error_table`); the HTTP status belongs to the HTTP layer
+(:mod:`master.http.errors`).
+"""
+
+from __future__ import annotations
+
+from elastic.control.error_table import ErrorCode
+from elastic.errors import RequestRefused
+
+
+class JobError(RequestRefused):
+    """Base of the errors a request can cause; ``code`` names it on the wire."""
+
+    code = ErrorCode.JOB_ERROR
+
+
+class UnknownNodeError(JobError):
+    """The node never joined, or it was declared dead or left: it must join (again)."""
+
+    code = ErrorCode.UNKNOWN_NODE
+
+
+class SettingsMismatchError(JobError):
+    """The node runs with other job settings (``--nnodes``) than the job."""
+
+    code = ErrorCode.SETTINGS_MISMATCH
+
+
+class NodeExcludedError(JobError):
+    """The node check excluded the node from this job."""
+
+    code = ErrorCode.NODE_EXCLUDED
+
+
+class BadNodeSecretError(JobError):
+    """A request for a known node without that node's current secret (master.job.credentials)."""
+
+    code = ErrorCode.BAD_NODE_SECRET
+
+
+class DuplicateNodeError(JobError):
+    """A join under the id of a node whose agent is alive, without that agent's secret."""
+
+    code = ErrorCode.DUPLICATE_NODE

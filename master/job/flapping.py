@@ -1,0 +1,138 @@
+"""Flapping nodes: count each node id's membership losses in a sliding window, exclude one that loses its
+place more than ``limit`` times in it, re-admit it after a cool-down or by an operator. Pure: no I/O, time
+is ``now`` (the master's clock, which reads Unix time: :mod:`master.service.clock`).
+
+A *loss* (a flap) is a dead verdict for the id, or a new agent replacing the id's previous one before the
+master declared it dead (its agent restarted). A node that is not a member of the running round still
+counts: a crash-looping agent that never makes it into a round is as disruptive (every join of it reopens
+the round). An orderly leave is not a loss, nor a rejoin by the same agent (it holds its secret).
+
+The job (:mod:`master.job.job`) calls :meth:`FlapCounter.note` at each loss; an :class:`Exclusion` it returns
+is durable state (the job snapshot holds :meth:`FlapCounter.snapshot`), so a master taking over keeps both
+the counters and the exclusions.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+from elastic.control.job_settings import JobSettings
+
+
+@dataclass(frozen=True)
+class FlapPolicy:
+    """More than ``limit`` losses within ``window_s`` seconds exclude a node for ``cooldown_s`` seconds;
+    ``limit`` 0 turns the policy off."""
+
+    limit: int
+    window_s: float
+    cooldown_s: float
+
+    @classmethod
+    def of(cls, settings: JobSettings) -> FlapPolicy:
+        return cls(settings.flap_limit, settings.flap_window_s, settings.flap_cooldown_s)
+
+    @property
+    def enabled(self) -> bool:
+        return self.limit > 0
+
+
+@dataclass(frozen=True)
+class Exclusion:
+    """A node excluded for flapping: ``count`` losses within the window ending ``since``, until ``until``."""
+
+    node_id: str
+    count: int
+    since: float
+    until: float
+    window_s: float
+    limit: int
+    host: str = ""
+    nproc: int = 0
+
+    def reason(self) -> str:
+        """Why, in a few words (the status view's reason)."""
+        return (
+            f"flapping: lost {self.count} times within {self.window_s:g}s (--flap-limit {self.limit}); "
+            f"re-admitted at {clock_time(self.until)}"
+        )
+
+    def message(self, job_id: str) -> str:
+        """The line a refused agent exits with: why, until when, and the operator's command."""
+        return (
+            f"node {self.node_id} is excluded from job {job_id} for flapping: it was lost {self.count} "
+            f"times within {self.window_s:g}s (more than --flap-limit {self.limit}); its joins are refused "
+            f"until {clock_time(self.until)}, or until an operator runs 'elastic-master readmit "
+            f"{self.node_id} --job-id {job_id} --master ADDR --token-file FILE'"
+        )
+
+
+def clock_time(at: float) -> str:
+    """A reading of the master's clock (Unix time) as a UTC time of day an operator can compare."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
+
+
+@dataclass
+class FlapCounter:
+    """Per node id: the times of its recent losses, and the ids excluded for flapping."""
+
+    policy: FlapPolicy
+    losses: dict[str, list[float]] = field(default_factory=dict)
+    excluded: dict[str, Exclusion] = field(default_factory=dict)
+
+    def note(self, node_id: str, now: float, host: str = "", nproc: int = 0) -> Exclusion | None:
+        """Count one loss of ``node_id`` at ``now``; the :class:`Exclusion` when it makes more than
+        ``limit`` within the window (the count then starts afresh), else None. Nothing while off, and
+        nothing for an id already excluded."""
+        policy = self.policy
+        if not policy.enabled or node_id in self.excluded:
+            return None
+        times = [t for t in self.losses.pop(node_id, []) if t > now - policy.window_s]
+        times.append(now)
+        if len(times) <= policy.limit:
+            self.losses[node_id] = times  # (re)inserted last: the ids are in the order of their last loss
+            return None
+        exclusion = Exclusion(
+            node_id, len(times), now, now + policy.cooldown_s, policy.window_s, policy.limit, host, nproc
+        )
+        self.excluded[node_id] = exclusion
+        return exclusion
+
+    def count(self, node_id: str, now: float) -> int:
+        """Losses of ``node_id`` within the window ending ``now``."""
+        return sum(1 for t in self.losses.get(node_id, []) if t > now - self.policy.window_s)
+
+    def expired(self, now: float) -> list[Exclusion]:
+        """Lift (and return) the exclusions whose cool-down is over at ``now``; drop losses that left the
+        window (so the counters stay small)."""
+        over = [e for e in self.excluded.values() if e.until <= now]
+        for exclusion in over:
+            del self.excluded[exclusion.node_id]
+        stale = []  # the ids whose last loss left the window: a prefix (see note), so O(stale) per tick
+        for node_id, times in self.losses.items():
+            if times[-1] > now - self.policy.window_s:
+                break
+            stale.append(node_id)
+        for node_id in stale:
+            del self.losses[node_id]
+        return over
+
+    def readmit(self, node_id: str) -> Exclusion | None:
+        """Lift ``node_id``'s exclusion now (the operator's command); None when it is not excluded."""
+        return self.excluded.pop(node_id, None)
+
+    # -- persistence ------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        return {
+            "losses": {n: list(times) for n, times in self.losses.items()},
+            "excluded": [asdict(e) for e in self.excluded.values()],
+        }
+
+    def restore(self, data: dict | None) -> None:
+        """Load :meth:`snapshot` output (nothing for state written before flap counters existed)."""
+        if not data:
+            return
+        losses = {n: [float(t) for t in times] for n, times in data.get("losses", {}).items() if times}
+        self.losses = dict(sorted(losses.items(), key=lambda item: item[1][-1]))  # by last loss (note)
+        self.excluded = {e["node_id"]: Exclusion(**e) for e in data.get("excluded", [])}

@@ -1,0 +1,37 @@
+"""Where and how the master serves a job (the job's own settings: :mod:`elastic.control.job_settings`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from elastic.control.job_settings import JobSettings
+
+#: Default ``--header-timeout`` (docs/operations.md, "Open files and connections").
+DEFAULT_HEADER_TIMEOUT_S = 8.0
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Where and how the master serves a job."""
+
+    job: JobSettings
+    token: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    #: Durable state store URL (``memory://`` or ``etcd://HOST:PORT``).
+    store_url: str = "memory://"
+    #: PEM certificate (chain) and unencrypted key to serve https with; None: plain http.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: ``--event-log``: every job event as a JSON line (master.service.event_log); None: no event log.
+    event_log: str | None = None
+    event_log_max_bytes: int = 64 * 1024 * 1024
+    event_log_backups: int = 3
+    #: ``--metrics-port``: a second listener (same host, token and TLS) serving only ``/metrics``.
+    metrics_port: int | None = None
+    #: ``--max-connections``: connections served at once; None: derived from the open-file limit
+    #: (master.http.conn_guard.connection_cap).
+    max_connections: int | None = None
+    #: ``--header-timeout``: seconds a new connection has to send its first request head.
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    extra: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,45 @@
+"""The stored job state's schema version, and one-line descriptions of a state a master cannot read.
+
+:meth:`master.job.job.Job.snapshot` stamps :data:`SCHEMA_VERSION` under :data:`SCHEMA_KEY`;
+:meth:`master.job.job.Job.restore` refuses a version it does not know. A state written before versioning
+(no key) has the layout of version 1. A newer master reads every older version it lists in
+:data:`READABLE_VERSIONS`; an older master refuses a newer version (a rolling upgrade upgrades the
+standbys first, then restarts the leader: docs/operations.md).
+"""
+
+from __future__ import annotations
+
+from elastic import errors
+
+#: The version this master writes.
+SCHEMA_VERSION = 1
+#: The versions this master reads (absent = 1: written before the key existed, same layout).
+READABLE_VERSIONS = frozenset({1})
+SCHEMA_KEY = "schema"
+
+
+class UnreadableStateError(errors.StoreError, ValueError):
+    """The stored state is not one this master can continue from; the message says why in one line."""
+
+
+def check_version(data: object) -> None:
+    """Raise :class:`UnreadableStateError` unless ``data`` is a mapping of a readable schema version."""
+    if not isinstance(data, dict):
+        raise UnreadableStateError(f"it is a JSON {type(data).__name__}, not an object")
+    version = data.get(SCHEMA_KEY, 1)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise UnreadableStateError(f"its schema version {version!r} is not an integer")
+    if version not in READABLE_VERSIONS:
+        newest = max(READABLE_VERSIONS)
+        hint = "run a newer elastic-master" if version > newest else "it is too old for this elastic-master"
+        raise UnreadableStateError(
+            f"its schema version {version} is not one this master reads ({newest} and older): {hint}"
+        )
+
+
+def describe(exc: Exception) -> str:
+    """What a failed :meth:`master.job.job.Job.restore` met, in one line."""
+    if isinstance(exc, KeyError):
+        return f"the field {exc.args[0]!r} is missing"
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if isinstance(exc, UnreadableStateError) else f"{type(exc).__name__}: {text}"
