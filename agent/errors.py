@@ -7,9 +7,11 @@ warm-start zygote, so that importing torch there starts as early as possible.
 from __future__ import annotations
 
 from elastic import errors
+from elastic.exit_codes import ExitCode
 
-EXIT_FAILED = 1
-EXIT_CONFIG = 2
+# The agent's names for two rows of the one table (elastic.exit_codes).
+EXIT_FAILED = ExitCode.FAILED
+EXIT_CONFIG = ExitCode.USAGE
 
 
 class AgentError(errors.UsageError):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pathlib
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from agent.cli.torchrun_compat import SignalPlan
 from agent.observe.progress import DEFAULT_PROGRESS_INTERVAL_S
 from agent.workers.output import OutputPolicy
 from elastic.contract import DEFAULT_CKPT_KEEP
@@ -19,6 +19,24 @@ DEFAULT_MASTER_TIMEOUT_S = 300.0
 #: A worker that has reported steps is hung after this long without a new one, or a worker process that
 #: is stopped or in disk sleep this long (agent.observe.hang); 0 turns hang verdicts off.
 DEFAULT_HANG_TIMEOUT_S = 600.0
+#: Signals that stop the agent (and its workers) gracefully; any other handled signal is forwarded.
+SHUTDOWN_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+#: Always handled as shutdown, listed or not: the agent's own stop signals must never kill it abruptly.
+ALWAYS_HANDLED = frozenset({signal.SIGTERM, signal.SIGINT})
+
+
+@dataclass(frozen=True)
+class SignalPlan:
+    """What the agent does with each signal it handles (``--signals-to-handle``, parsed by
+    :func:`agent.cli.torchrun.parse_signals`)."""
+
+    shutdown: frozenset[signal.Signals] = field(default_factory=lambda: SHUTDOWN_SIGNALS)
+    forward: frozenset[signal.Signals] = frozenset()
+
+    @property
+    def handled(self) -> frozenset[signal.Signals]:
+        """Every signal the agent installs a handler for."""
+        return self.shutdown | self.forward
 
 
 @dataclass(frozen=True)

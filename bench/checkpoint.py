@@ -50,7 +50,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from bench import ckpt_replication, common  # noqa: E402
-from elastic.checkpoint import flash_format, flash_save, layout  # noqa: E402
+from elastic.checkpoint import flash, layout  # noqa: E402
 from elastic.checkpoint import replicated as checkpoint  # noqa: E402
 
 TENSORS_PER_STATE = 10
@@ -160,7 +160,7 @@ class FlashEnv:
         self.agent.wait()
 
     def close(self) -> None:
-        flash_save.close_all()  # unmap the segments: their memory goes with the keeper's folder
+        flash.close_all()  # unmap the segments: their memory goes with the keeper's folder
         try:
             self._send("quit")
             self._expect("stopped")
@@ -181,7 +181,7 @@ class FlashEnv:
 def memcpy_baseline(state: dict[str, torch.Tensor]) -> Callable[[], None]:
     """A copy of the bytes a flash save copies (each storage, at its offset in the file) into a buffer of
     this process that is faulted in beforehand: what a save at memory speed costs."""
-    plan = flash_format.plan(state)
+    plan = flash.plan(state)
     buffer = torch.zeros(plan.size, dtype=torch.uint8)  # zeros: every page faulted in now
 
     def copy() -> None:
@@ -203,14 +203,14 @@ def bench_replicated(megabytes: float, repeats: int, work: Path) -> tuple[list[R
         start = time.perf_counter()
         checkpoint.save(state, 1)
         first = time.perf_counter() - start
-        first_stats = flash_save.history(env.folder)[0]
+        first_stats = flash.history(env.folder)[0]
         env.wait_persisted(1)
         copy = memcpy_baseline(state)
-        flash, persist, memcpy = [], [], []
+        saves, persist, memcpy = [], [], []
         for step in range(2, repeats + 2):  # alternated: both see the same background load
             start = time.perf_counter()
             checkpoint.save(state, step)
-            flash.append(time.perf_counter() - start)
+            saves.append(time.perf_counter() - start)
             # Not part of the blocking time: the keeper copies to disk while training goes on. It is
             # waited for here only so that the next measurement does not compete with it.
             start = time.perf_counter()
@@ -220,7 +220,7 @@ def bench_replicated(megabytes: float, repeats: int, work: Path) -> tuple[list[R
         del copy
         rows.append(Row(megabytes, "first save (allocates the segments)", [first], size))
         rows.append(Row(megabytes, "  of which pre-faulting", [first_stats.prefault_s], size))
-        rows.append(Row(megabytes, "flash save (blocking)", flash, size))
+        rows.append(Row(megabytes, "flash save (blocking)", saves, size))
         rows.append(Row(megabytes, "memory copy (Tensor.copy_)", memcpy, size))
         rows.append(Row(megabytes, "  persist to disk (background)", persist, size))
 
@@ -248,7 +248,7 @@ def bench_replicated(megabytes: float, repeats: int, work: Path) -> tuple[list[R
         rows.append(Row(megabytes, "disk save (torch.save+fsync+rename)", v0, size))
     finally:
         env.close()
-    result = common.save_block_result("replicated", size, flash, memcpy, first, first_stats.prefault_s)
+    result = common.save_block_result("replicated", size, saves, memcpy, first, first_stats.prefault_s)
     result["first_save_fresh_bytes"] = first_stats.fresh_bytes
     return rows, result
 

@@ -47,7 +47,7 @@ def main() -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     import elastic
-    from elastic.checkpoint import shard_segments
+    from elastic.checkpoint import dcp_io
 
     torch.set_num_threads(1)
     elastic.init_process_group()
@@ -70,7 +70,7 @@ def main() -> None:
     first = time.perf_counter() - start
     # Of which allocating and pre-faulting both halves of the double buffer (this save's segments and
     # the spares the next save takes).
-    prefault = shard_segments.pool_for(Path(shm) / "sharded").prefault_s
+    prefault = dcp_io.pool_for(Path(shm) / "sharded").prefault_s
     saves, copies = [], []
     for step in range(2, int(repeats) + 2):
         dist.barrier()

@@ -66,7 +66,7 @@ def elastic_tool(cmd: str | None = None) -> Tool:
     )
 
 
-#: elastic-run as it was before warm starts (issue 8): every worker is exec'd and imports torch itself.
+#: elastic-run as it was before warm starts: every worker is exec'd and imports torch itself.
 EXEC_TOOL = "elastic-run-exec"
 
 
@@ -76,7 +76,7 @@ def elastic_exec_tool(cmd: str | None = None) -> Tool:
 
 
 #: elastic-run with the workload inside ``elastic.run`` (bench/workload.py's in-process mode): live workers
-#: keep their processes across a failure (issue 17).
+#: keep their processes across a failure (in-process recovery).
 INPROCESS_TOOL = "elastic-run-inprocess"
 
 
@@ -122,7 +122,7 @@ def base_parser(description: str, runs: int, tools: str = "elastic-run,torchrun"
         "--tools",
         default=tools,
         help=f"comma-separated, from elastic-run, {INPROCESS_TOOL} (the workload inside elastic.run), "
-        f"{EXEC_TOOL} (elastic-run --no-warm-start: the 'before' of issue 8), torchrun, torchrun-noshare "
+        f"{EXEC_TOOL} (elastic-run --no-warm-start: the 'before' of warm starts), torchrun, torchrun-noshare "
         "(torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) "
         "(default %(default)s)",
     )
@@ -462,7 +462,7 @@ def save_block_result(
 
 
 def before_after(medians: dict[str, float | None], baseline: str, what: str) -> list[str]:
-    """The issue-8 before/after line: elastic-run with exec'd workers (before) and with warm starts
+    """The warm-start before/after line: elastic-run with exec'd workers (before) and with warm starts
     (after), each against ``baseline``, from the medians of one run; nothing if a tool did not run."""
     if not {"elastic-run", EXEC_TOOL, baseline} <= medians.keys():
         return []

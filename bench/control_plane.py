@@ -1,4 +1,4 @@
-"""The master's control plane at scale (issue 18): N protocol-level fake nodes against one real
+"""The master's control plane at scale: N protocol-level fake nodes against one real
 ``elastic-master``, the load generator apart (bench/fake_fleet.py processes, their CPU reported).
 
 Main run (memory store): a master ``--nnodes N``; every fake node opens ONE connection (the

@@ -1,4 +1,4 @@
-"""The table of bench/control_plane.py (figure | value | target, the targets of issue 18) and its verdict:
+"""The table of bench/control_plane.py (figure | value | target: the control plane's targets) and its verdict:
 what makes the run fail (correctness: nodes not assigned, false dead verdicts, idle connections never
 closed, a failover that did not serve every node), never a speed figure."""
 

@@ -1,4 +1,4 @@
-"""etcd growth of a job's durable state (issue 15, check 5).
+"""etcd growth of a job's durable state: bytes written per change and the store's size at N nodes.
 
 A real etcd, a real ``elastic-master --store etcd://...`` and N protocol-level fake nodes (one asyncio
 process speaking HTTP/1.1, as in bench/rendezvous.py: join, long-poll ``/v1/round``, heartbeat every

@@ -1,4 +1,4 @@
-"""Master failover under routine operations (issue 15): two ``elastic-master`` daemons on one etcd, two
+"""Master failover under routine operations: two ``elastic-master`` daemons on one etcd, two
 fake nodes (``elastic-run`` agents, one gloo worker each, scripts/train_script.py) training; the leading
 master is stopped N times in a row with SIGTERM (a planned restart), then N times with SIGKILL (a crash),
 and restarted as the standby each time. Default master settings (heartbeat 1 s, timeout 4 s, etcd lease

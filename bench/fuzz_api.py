@@ -1,4 +1,4 @@
-"""API fuzzing (issue 16): stateful, schema-driven requests against a real ``elastic-master`` process.
+"""API fuzzing: stateful, schema-driven requests against a real ``elastic-master`` process.
 
 The requests come from the master's own OpenAPI document, played by a hypothesis state machine that acts
 as a fleet of nodes (joins feed their node secret into later requests) and mixes in batches of requests

@@ -1,4 +1,4 @@
-"""Stateful, schema-driven fuzzing of a real ``elastic-master`` process over a real socket (issue 16).
+"""Stateful, schema-driven fuzzing of a real ``elastic-master`` process over a real socket.
 
 Every request comes from the master's own OpenAPI document (``/openapi.json``): schemathesis turns each
 operation into a hypothesis strategy, positive (valid by the schema) or negative (invalid). A hypothesis

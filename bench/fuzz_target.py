@@ -36,10 +36,10 @@ from bench.fuzz_job import MASTER_ARGS, UI_LOGIN
 from bench.fuzz_tally import Tally
 from elastic.control.protocol import API_PREFIX, JOB_HEADER, LONG_POLL_CAP_S, NODE_SECRET_HEADER
 from master.http.ui import CSRF_COOKIE, SESSION_COOKIE
-from master.job.state import AGGREGATE_PERIOD_S
+from master.job.job import AGGREGATE_PERIOD_S
 
 #: A snapshot of the status is quiet once it held this long: past the master's periodic recomputation of
-#: the committed step and the straggler flags (master.job.state.AGGREGATE_PERIOD_S), plus a tick.
+#: the committed step and the straggler flags (master.job.job.AGGREGATE_PERIOD_S), plus a tick.
 QUIET_S = AGGREGATE_PERIOD_S + 0.25
 #: Status fields that move with time alone: heartbeat and event ages, and the goodput ratio (training time
 #: over wall time). They are left out when two snapshots are compared.

@@ -1,4 +1,4 @@
-"""In-process recovery is exact (issue 17, check 3): 3 worker kills at a fixed world, then the final
+"""In-process recovery is exact: 3 worker kills at a fixed world, then the final
 weights are bitwise those of an uninterrupted run, every sample is trained once and no committed step is
 redone.
 
@@ -78,7 +78,7 @@ class Outcome:
 
     @property
     def exact(self) -> bool:
-        """Every check of issue 17's check 3 passed."""
+        """Every check passed: samples once, no committed step redone, final weights bitwise equal."""
         return bool(
             self.recovered
             and self.survivor_pid_unchanged
@@ -320,7 +320,7 @@ def report(tool: c.Tool, results: list[Outcome], args: argparse.Namespace, refer
             [row],
         ),
         "",
-        f"Target (issue 17, check 3): samples once, 0 steps redone, weights bitwise equal at fixed world "
+        f"Target: samples once, 0 steps redone, weights bitwise equal at fixed world "
         f"after {len(args.kill_steps)} kills: {verdict} ({exact}/{len(results)} runs).",
     ]
     if reference_note:

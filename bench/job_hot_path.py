@@ -1,4 +1,4 @@
-"""The job's share of the master's hot path, in process (issue 18): master CPU per steady heartbeat (request
+"""The job's share of the master's hot path, in process: master CPU per steady heartbeat (request
 validation, ``Job.heartbeat``, ``MasterService.changed``, reply building), per tick, per join and per wake-up
 of pending long-polls, at N nodes. No sockets: the transport's share is measured by bench/control_plane.py.
 
@@ -11,7 +11,7 @@ with the node count only if the code does. Wake-ups: every node holds a ``/v1/wa
 (``MasterService.long_poll`` with the route's probe) and one waiting node that is no member is removed
 (which changes no member's answer), then a member dies (which changes every member's answer); the
 figures are the probes run and the CPU until the loop is idle again. Keyed wake-ups
-(``master.service.wakeups``) take effect where ``MasterService.long_poll`` passes the node's id as its
+(``master.service.waiting``) take effect where ``MasterService.long_poll`` passes the node's id as its
 ticket's key; the table says whether it does.
 
     python bench/job_hot_path.py --nodes 1000,10000 --json hot-path.json
@@ -284,7 +284,7 @@ async def measure_wakeups(world: World) -> tuple[bool, int, float, int, float]:
 
         return probe
 
-    # Keyed wake-ups need the poll to say whose answer it waits for (master.service.wakeups).
+    # Keyed wake-ups need the poll to say whose answer it waits for (master.service.waiting).
     keyed = "key" in inspect.signature(service.long_poll).parameters
     polls = [
         asyncio.ensure_future(

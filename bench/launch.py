@@ -1,4 +1,4 @@
-"""Launch overhead (issue 7 item 5): launch -> first completed training step, standalone, 1 node.
+"""Launch overhead: launch -> first completed training step, standalone, 1 node.
 
 Times are split at the workload's own lines: launch -> first worker started (launcher start-up, rendezvous,
 spawn, interpreter start and ``import torch``), -> all workers initialized the process group, -> first

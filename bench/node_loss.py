@@ -1,4 +1,4 @@
-"""Node loss (issue 7 item 2, issue 8 target): 2 fake nodes x 1 worker on this machine; SIGKILL one whole
+"""Node loss: 2 fake nodes x 1 worker on this machine; SIGKILL one whole
 node (its launcher's process group and every descendant, as if the machine died); time until the survivor
 completes a step at world size 1. With ``--fault sigstop`` the whole node gets SIGSTOP instead: it vanishes
 without closing its sockets, so only the master's heartbeat timeout tells it is gone, and a survivor
@@ -11,11 +11,11 @@ that torchrun has a fair chance. Node 2 (rank 1) is killed in both cases. A run 
 not trained at world size 1 within --timeout seconds is recorded as "did not recover", with what the
 survivor was doing (its last lines).
 
-elastic-run-inprocess is elastic-run with the workload inside ``elastic.run`` (in-process recovery, issue
-17): the survivor's worker keeps its process, so "survivor PID unchanged" (the pid of the survivor's last
-``start`` line before the kill equals that of its first one after) is true there, and its old worker is
-never gone. Its target: kill -> survivor step at world 1 median <= 1 s, max <= 1.5 s; with ``--fault
-sigstop``: stop -> survivor step at world 1 median <= heartbeat timeout + 1 s (5 s with the defaults).
+elastic-run-inprocess is elastic-run with the workload inside ``elastic.run`` (in-process recovery): the
+survivor's worker keeps its process, so "survivor PID unchanged" (the pid of the survivor's last ``start``
+line before the kill equals that of its first one after) is true there, and its old worker is never gone. Its
+target: kill -> survivor step at world 1 median <= 1 s, max <= 1.5 s; with ``--fault sigstop``: stop ->
+survivor step at world 1 median <= heartbeat timeout + 1 s (5 s with the defaults).
 
     python bench/node_loss.py                # 3 runs of each tool, alternated
     python bench/node_loss.py --smoke
@@ -37,7 +37,7 @@ if __package__ in (None, ""):
 from bench import common as c  # noqa: E402
 
 HEARTBEAT_TIMEOUT_S = 4.0  # the master's default, which the target is relative to
-INPROCESS_TARGET_S = (1.0, 1.5)  # issue 17: elastic-run-inprocess, median and max kill -> step at world 1
+INPROCESS_TARGET_S = (1.0, 1.5)  # elastic-run-inprocess, median and max kill -> step at world 1
 # elastic-run-inprocess under --fault sigstop: median stop -> step at world 1 <= heartbeat timeout + this.
 INPROCESS_STOP_MARGIN_S = 1.0
 FAULTS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP}
@@ -257,7 +257,7 @@ def inprocess_stop_target(stat: c.Stat) -> list[str]:
 
 
 def inprocess_target(stat: c.Stat) -> list[str]:
-    """The issue-17 verdict of elastic-run-inprocess: median and max kill -> survivor step at world 1."""
+    """The verdict of elastic-run-inprocess: median and max kill -> survivor step at world 1."""
     med_target, max_target = INPROCESS_TARGET_S
     verdict = "n/a"
     if stat.values:
@@ -265,7 +265,7 @@ def inprocess_target(stat: c.Stat) -> list[str]:
     worst = f"{max(stat.values):.2f}" if stat.values else "n/a"
     return [
         "",
-        f"Target {c.INPROCESS_TOOL} median <= {med_target:g} s and max <= {max_target:g} s (issue 17): "
+        f"Target {c.INPROCESS_TOOL} median <= {med_target:g} s and max <= {max_target:g} s: "
         f"{verdict} (median {stat.fmt(2)} s, max {worst} s).",
     ]
 

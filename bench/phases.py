@@ -1,6 +1,6 @@
-"""Recovery phases from the master's event log, compared with a benchmark's own timings (issue 19, check 2:
-"per-run phase durations from the event log agree with the recovery benchmark's own timings within
-max(10 %, 30 ms)").
+"""Recovery phases from the master's event log, compared with a benchmark's own timings: the
+per-run phase durations from the event log agree with the recovery benchmark's own timings within
+max(10 %, 30 ms).
 
 The event log (``elastic-master --event-log``) ends a recovery with a ``first_step`` event whose
 ``durations`` are ``detect`` (the worker exit the agent saw -> the master's verdict), ``rendezvous``
@@ -18,8 +18,8 @@ total                              kill -> every rank's first step line
 ================================  =========================================================
 
 Every row is checked. Both sides date "workers created" from the same record: the agent reports as its
-workers' start the kernel's creation time of the last one (``agent.workers.proc_start``, the same
-``/proc/PID/stat`` field the benchmark reads), not the moment its start call returned (with warm starts
+workers' start the kernel's creation time of the last one (``agent.workers.launchers.last_created_at``, the
+same ``/proc/PID/stat`` field the benchmark reads), not the moment its start call returned (with warm starts
 that is after the zygote's fork *and* its hand-shake with the agent, tens of milliseconds later under
 load). What still differs, by a few milliseconds on an idle host: the event log's ``detect`` starts at the
 exit the agent's watcher thread saw (after the kill), and the master turns each moment the agent reports
@@ -40,7 +40,7 @@ from pathlib import Path
 #: Agreement: within max(TOLERANCE_REL of the benchmark's value, TOLERANCE_ABS seconds).
 TOLERANCE_REL = 0.10
 TOLERANCE_ABS = 0.030
-#: The event log's recovery phases (master.job.recovery_phases.PHASES).
+#: The event log's recovery phases (master.job.accounting.PHASES).
 PHASES = ("detect", "rendezvous", "restart", "first_step")
 #: (name, event-log phases summed, the benchmark's own interval, checked) per compared row.
 MAPPING = (

@@ -1,4 +1,4 @@
-"""Rendezvous latency and master load (issue 7 item 4).
+"""Rendezvous latency and master load.
 
 Part 1, real agents: N launchers with 1 worker each on this machine (N = 2, 4, 8, 16), ``--nnodes N``;
 the worker only initializes the gloo process group, prints, and leaves (workload ``--init-only``). Time

@@ -46,7 +46,7 @@ machine and the same workload ([bench/workload.py](../bench/workload.py): a smal
 plain `init_process_group("gloo")`, deterministic data, an atomic checkpoint to disk after every step), runs
 of the tools alternated (A B A B), medians quoted with (min-max), and how many runs of each tool succeeded
 at all. The crash, node-loss and scale-up benchmarks also run `elastic-run-exec`: elastic-run with
-`--no-warm-start` (every worker exec'd, as before issue 8), the "before" of the before/after table below.
+`--no-warm-start` (every worker exec'd, as before warm starts), the "before" of the before/after table below.
 Scripts are in [bench/](../bench/); each prints its table and can be run alone, `--smoke` runs it
 with tiny sizes (that mode is what `tests/e2e/test_bench_smoke.py` checks). All processes a benchmark starts
 carry a `BENCH_RUN_TAG` in their environment and are killed by PID at the end of each run; nothing is
@@ -57,10 +57,10 @@ killed by name.
 **Overview written:** {when}, by `{command}`. Each section says when it was measured and with which
 command; a partial run (`--only`) replaces only its own sections.
 
-Checkpoint figures (issue 7 item 6) are in the [Checkpoint](#checkpoint) section of this file, written
+Checkpoint figures are in the [Checkpoint](#checkpoint) section of this file, written
 by the flash-checkpoint benchmark.
 
-### Targets (issue 8)
+### Targets
 
 {targets}"""
 

@@ -1,4 +1,4 @@
-"""Scale-up admission (issue 7 item 3, issue 8 target): one node trains at world size 1, a second node is
+"""Scale-up admission: one node trains at world size 1, a second node is
 started; time from the new node's start to its first completed step at world size 2.
 
 elastic-run: an ``elastic-master`` daemon with default settings and agents with distinct ``--node-id``.
@@ -12,13 +12,13 @@ A run with no step at world size 2 within --timeout seconds of the new node's st
 
 What the running node pays: "node 1 paused", the same definition for every tool, from node 1's own step
 lines: its last step at world size 1 -> its first step at world size 2 (the time it did not train).
-elastic-run-inprocess is elastic-run with the workload inside ``elastic.run`` (in-process recovery, issue
-17): node 1's worker keeps its process when node 2 joins (its ``start`` line at world 2 has the pid of its
-last one at world 1: "node 1 PID unchanged") and node 2's rank gets the state from node 1, in memory. Its
-target (issue 17's "node joins" row): node 1 paused, median <= 0.2 s.
+elastic-run-inprocess is elastic-run with the workload inside ``elastic.run`` (in-process recovery): node 1's
+worker keeps its process when node 2 joins (its ``start`` line at world 2 has the pid of its last one at world
+1: "node 1 PID unchanged") and node 2's rank gets the state from node 1, in memory. Its target: node 1 paused,
+median <= 0.2 s.
 
     python bench/scale_up.py                 # 3 runs of each tool, alternated
-    python bench/scale_up.py --runs 20       # issue 8's check (plain torchrun: 3 runs, --torchrun-runs)
+    python bench/scale_up.py --runs 20       # as docs/benchmarks.md (torchrun: 3 runs, --torchrun-runs)
     python bench/scale_up.py --smoke
     python bench/scale_up.py --json scale_up.json   # also every run as JSON, with a per-tool summary
 """
@@ -36,7 +36,7 @@ from bench import common as c  # noqa: E402
 from bench.node_loss import notable_lines  # noqa: E402
 
 TARGET_RATIO = 0.5
-INPROCESS_PAUSE_TARGET_S = 0.2  # issue 17: elastic-run-inprocess, median node 1 paused when node 2 joins
+INPROCESS_PAUSE_TARGET_S = 0.2  # elastic-run-inprocess, median node 1 paused when node 2 joins
 
 
 @dataclass
@@ -172,7 +172,7 @@ def report(tools: list[c.Tool], results: list[Outcome], args) -> str:
 
 
 def inprocess_target(ok: list[Outcome]) -> list[str]:
-    """The issue-17 verdict of elastic-run-inprocess: node 1 paused (median) when node 2 joins."""
+    """The verdict of elastic-run-inprocess: node 1 paused (median) when node 2 joins."""
     stat = c.Stat([r.pause for r in ok if r.pause is not None])
     verdict = (
         "n/a" if stat.median is None else ("met" if stat.median <= INPROCESS_PAUSE_TARGET_S else "NOT met")
@@ -180,7 +180,7 @@ def inprocess_target(ok: list[Outcome]) -> list[str]:
     worst = f"{max(stat.values):.2f}" if stat.values else "n/a"
     return [
         "",
-        f"Target {c.INPROCESS_TOOL} node 1 paused median <= {INPROCESS_PAUSE_TARGET_S:g} s (issue 17): "
+        f"Target {c.INPROCESS_TOOL} node 1 paused median <= {INPROCESS_PAUSE_TARGET_S:g} s: "
         f"{verdict} (median {stat.fmt(2)} s, max {worst} s).",
     ]
 

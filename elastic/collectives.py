@@ -38,7 +38,7 @@ def lend(*tensors: torch.Tensor) -> None:
 
     See ``_lent`` for why; :func:`settle` waits for the backend before the group is torn down.
     """
-    _lent[:] = [t for t in _lent if t._use_count() > 1]
+    _lent[:] = [t for t in _lent if t._use_count() > 1]  # type: ignore[attr-defined]  # torch's, unstubbed
     _lent.extend(tensors)
 
 
@@ -49,7 +49,7 @@ def settle(timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
     still held some after ``timeout_s`` (they are let go anyway: a stuck backend must not block exit).
     """
     deadline = time.monotonic() + timeout_s
-    while any(t._use_count() > 1 for t in _lent):
+    while any(t._use_count() > 1 for t in _lent):  # type: ignore[attr-defined]  # torch's, unstubbed
         if time.monotonic() >= deadline:
             _lent.clear()
             return False

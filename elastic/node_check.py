@@ -21,13 +21,18 @@ Test hooks (fault injection; read from the environment, which the agent passes o
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from elastic import contract
+
+if TYPE_CHECKING:  # torch is imported when the check runs, not when this module is
+    import torch.distributed as dist
 
 RESULT_ENV = contract.NODE_CHECK_RESULT
 TIMEOUT_ENV = contract.NODE_CHECK_TIMEOUT_S
@@ -57,7 +62,7 @@ def partner_of(rank: int, world: int) -> int | None:
     return None
 
 
-def _best_time(run: Callable[[], None], sync: Callable[[], None], repeats: int = REPEATS) -> float:
+def _best_time(run: Callable[[], object], sync: Callable[[], object], repeats: int = REPEATS) -> float:
     run()  # warm up (allocations, kernels, connections)
     sync()
     best = float("inf")
@@ -86,7 +91,7 @@ class Check:
         self.timeout = datetime.timedelta(seconds=float(environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S))
         self.rank = int(environ.get("RANK", "0"))
         self.world = int(environ.get("WORLD_SIZE", "1"))
-        self.store = None
+        self.store: dist.TCPStore | None = None
 
     def run(self) -> dict:
         """Run every stage; return the result fields (``ok`` False with ``stage``/``error`` on failure)."""
@@ -165,7 +170,7 @@ class Check:
                 continue
             buf = torch.ones(GPU_ALLREDUCE_ELEMENTS if cuda else CPU_ALLREDUCE_ELEMENTS, device=device)
             collectives.lend(buf)
-            seconds = _best_time(lambda g=group, t=buf: dist.all_reduce(t, group=g), sync)
+            seconds = _best_time(functools.partial(dist.all_reduce, buf, group=group), sync)
             if partner in group_ranks:
                 result["allreduce_s"], result["partner"] = seconds, partner
 

@@ -7,7 +7,7 @@ replaced atomically).
 
 **Under elastic-run** (``ELASTIC_SHM_DIR`` set) a save is a *flash* save: every rank writes its own shards
 into its node's shared-memory folder (``<shm>/sharded``), through DCP's writer with its data files in reused,
-pre-faulted segments (:mod:`elastic.checkpoint.shard_segments`), and returns; there is no disk I/O in the
+pre-faulted segments (:mod:`elastic.checkpoint.dcp_io`), and returns; there is no disk I/O in the
 worker. Local rank 0 of each node then commits the node's folder and reports it to the agent, which streams it
 to a peer node's agent (replication) and persists it to ``--ckpt-dir`` in the background. Before it writes, a
 save waits while the node's replication lags more than the agent's bound (``<shm>/replication.json``), so that
@@ -17,7 +17,7 @@ a lost node costs at most that many steps (:mod:`elastic.checkpoint.shard_save`)
 holds (its own memory, the replicas it keeps for peers, checked against their sha256, and the disk folder);
 the ranks exchange the lists (int64 collectives) and pick the newest complete step. Each rank plans its DCP
 reads; a node receives only the files its ranks read and it lacks, point to point from a rank that holds each
-(:mod:`elastic.checkpoint.shard_holdings`, :mod:`elastic.checkpoint.shard_assemble`): at an unchanged world
+(:mod:`elastic.checkpoint.shard_restore`): at an unchanged world
 size with every node holding its own shards nothing moves. Then ``dcp.load`` reads the node's assembled
 folder, re-sharding to the current world.
 
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic import collectives
-from elastic.checkpoint import shard_assemble, shard_holdings, shard_save
 from elastic.checkpoint import shard_layout as sl
+from elastic.checkpoint import shard_restore, shard_save
 from elastic.checkpoint.env import (
     CKPT_DIR_ENV,
     CKPT_RESET_ENV,
@@ -120,12 +120,12 @@ def load_sharded(
     shm = Path(shm_text) if shm_text and Path(shm_text).is_dir() else None
     folder = ckpt_dir or os.environ.get(CKPT_DIR_ENV) or None
     disk = Path(folder) if folder else None
-    held = shard_holdings.held(shm, disk)
+    held = shard_restore.held(shm, disk)
     if os.environ.get(CKPT_RESET_ENV, "") in ("1", "true", "yes"):
         held = {}
     world = collectives.world_size()
-    lists = collectives.gather_ints(shard_holdings.encode(held), world)
-    choice = shard_holdings.choose(lists, step)
+    lists = collectives.gather_ints(shard_restore.encode(held), world)
+    choice = shard_restore.choose(lists, step)
     if choice is None:
         if step is not None:
             where = disk if shm is None else f"memory or {disk}"
@@ -144,9 +144,9 @@ def load_sharded(
     save_id = sl.save_id_str(sid_int)
     mine = held.get((chosen, save_id), {})
     manifest = next((m for p in mine.values() if (m := sl.read_manifest(p.parent)) is not None), None)
-    path, assembled, _received = shard_assemble.assemble(state, chosen, save_id, mine, manifest, shm, world)
+    path, assembled, _received = shard_restore.assemble(state, chosen, save_id, mine, manifest, shm, world)
     try:
-        dcp.load(state, storage_reader=shard_assemble.reader(path, shm))
+        dcp.load(state, storage_reader=shard_restore.reader(path, shm))
     finally:
         collectives.barrier()
         if assembled:

@@ -193,7 +193,7 @@ def weights_hash(model: nn.Module) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().numpy().tobytes())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -226,12 +226,17 @@ class SampleLog:
 
 
 def train(args: argparse.Namespace) -> None:
-    elastic.init_process_group()
+    backend = elastic.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
+    # NCCL (picked when CUDA is present) reduces GPU tensors only: the model and data live on this rank's GPU.
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if args.batch_size < world:
         raise ValueError(f"--batch-size {args.batch_size} is smaller than the world size {world}")
 
-    model = make_model(args.seed)
+    model = make_model(args.seed).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     sampler = ElasticSampler(
         args.num_samples,
@@ -258,10 +263,10 @@ def train(args: argparse.Namespace) -> None:
         )
 
     flash = flash_enabled()  # under elastic-run: save to memory every step, persist every --ckpt-every
-    ddp_model = DistributedDataParallel(model)
+    ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     # Report compute time (step time minus the wait for slower ranks) so the master can name a straggler.
     elastic.track_ddp(ddp_model)
-    x, y = make_dataset(args.seed, args.num_samples)
+    x, y = (t.to(device) for t in make_dataset(args.seed, args.num_samples))
     loss_fn = nn.MSELoss(reduction="sum")
     samples = SampleLog(args.sample_log, rank)
     batches = step_batches(sampler)
@@ -270,10 +275,10 @@ def train(args: argparse.Namespace) -> None:
         batch = next(batches)
         samples.write(step + 1, sampler.epoch, batch)
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=device)
         last = len(batch.micro_batches) - 1
         for i, micro in enumerate(batch.micro_batches):
-            rows = torch.tensor(micro, dtype=torch.long)
+            rows = torch.tensor(micro, dtype=torch.long, device=device)
             # Gradients are all-reduced once per step, on the last micro-batch.
             with ddp_model.no_sync() if i < last else contextlib.nullcontext():
                 loss = loss_fn(ddp_model(x[rows]), y[rows])

@@ -1,7 +1,7 @@
 """The node's checkpoints, agent side: shared memory, persistence to disk, replication to peers.
 
 Promises: the keeper (``keeper``) owns the node's shared-memory folder (``shm_folder``, held by a lock for
-the agent's lifetime: ``shm_lock``), persists checkpoints to ``--ckpt-dir`` atomically in the background
+the agent's lifetime), persists checkpoints to ``--ckpt-dir`` atomically in the background
 (``persist``, ``sharded_persist``) fenced against older rounds (``fence``) and replicates sharded saves to
 peer nodes (``replication``, ``replication_wire``, ``replica_server``).
 

@@ -1,29 +1,39 @@
 """The node's shared-memory checkpoint folder: its name, its owner record, taking it and giving it back.
 
 :func:`take` takes ``<root>/elastic-<job>-<node>/`` (mode 0700, ``root`` is ``/dev/shm``) by an exclusive
-``flock`` of its ``.lock`` file, held until :func:`release` (:mod:`agent.checkpoints.shm_lock`): a held lock
-is a live agent of the same job and node, an error; a free one means its previous owner is gone, however it
-ended (killed, an unreaped zombie, another PID namespace), and its leftovers are removed (takeover).
+``flock`` of its ``.lock`` file, held until :func:`release`: a held lock is a live agent of the same job and
+node, an error; a free one means its previous owner is gone, however it ended (killed, an unreaped zombie,
+another PID namespace), and its leftovers are removed (takeover).
 Other ``elastic-*`` folders whose lock is free are removed too (crashed agents with another node id); a
 folder without a lock file (an older agent's) is judged by its owner record (host, pid, start time).
+
+The lock: the owner holds an exclusive ``flock`` on ``<folder>/.lock`` from start to stop. The kernel drops it
+when the owner's process ends, however it ends (SIGKILL, a zombie not yet reaped, a process of another PID
+namespace whose pid means nothing here), so a free lock proves that the previous owner is gone, and a held
+one that it lives. A dying owner releases it only once all its threads are gone (its main thread may
+already show as a zombie), so a held lock is waited for :data:`HELD_GRACE_S` before it counts as a live
+owner's (the agent is a small process: its teardown takes milliseconds). A new lock file is created under a
+temp name, locked, then linked into place: a ``.lock`` that another agent can see is always already held.
 
 The checkpoint keeper (:mod:`agent.checkpoints.keeper`) owns the folder while the agent runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import re
 import shutil
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from agent.checkpoints import shm_lock
 from elastic import errors
 from elastic.checkpoint import layout
 
@@ -32,11 +42,20 @@ log = logging.getLogger(__name__)
 DEFAULT_ROOT = Path("/dev/shm")
 FOLDER_PREFIX = "elastic-"
 OWNER_FILE = ".owner"
+LOCK_FILE = ".lock"
+#: How long a held lock is waited for before its holder counts as alive (a dying owner still holds it).
+HELD_GRACE_S = 2.0
+_POLL_S = 0.05
+_ATTEMPTS = 5
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
 class KeeperError(errors.CheckpointError):
     """The shared-memory folder cannot be set up (e.g. another live agent holds it)."""
+
+
+class FolderHeldError(errors.CheckpointError):
+    """Another live process holds the folder's lock."""
 
 
 def folder_name(job_id: str, node_id: str) -> str:
@@ -103,8 +122,8 @@ def take(root: Path, folder: Path, job_id: str, node_id: str) -> int:
     """
     remove_stale(root, folder)
     try:
-        fd = shm_lock.acquire(folder)
-    except shm_lock.FolderHeldError:
+        fd = acquire(folder)
+    except FolderHeldError:
         holder = Owner.read(folder)
         who = f"pid {holder.pid} on {holder.host}" if holder else "owner record not written yet"
         raise KeeperError(
@@ -134,7 +153,7 @@ def _take_over(folder: Path) -> None:
     previous = Owner.read(folder)
     freed = 0
     for entry in folder.iterdir():
-        if entry.name == shm_lock.LOCK_FILE:
+        if entry.name == LOCK_FILE:
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
@@ -168,7 +187,7 @@ def remove_stale(root: Path, own: Path) -> None:
         if folder == own:
             continue
         try:
-            fd = shm_lock.try_lock(folder / shm_lock.LOCK_FILE)
+            fd = try_lock(folder / LOCK_FILE)
         except FileNotFoundError:
             if _dead_by_owner_record(folder):  # an older agent's folder, without a lock file
                 _discard(folder)
@@ -199,3 +218,76 @@ def _discard(folder: Path) -> None:
     except OSError:
         trash = folder
     shutil.rmtree(trash, ignore_errors=True)
+
+
+# -- the folder's lock ------------------------------------------------------------------------------------
+def try_lock(path: Path) -> int | None:
+    """A descriptor holding an exclusive lock of the existing file ``path``; None while another process
+    holds it. Raises FileNotFoundError when there is no such file."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _still_named(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file of ``fd`` (a stopping owner may have removed it)."""
+    try:
+        named, held = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _create_locked(path: Path) -> int | None:
+    """Create ``path`` already locked; None when another process created it first."""
+    tmp = layout.temp_path(path)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            os.link(tmp, path)  # unlike rename, never replaces a lock file that appeared meanwhile
+        except FileExistsError:
+            os.close(fd)
+            return None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
+    return fd
+
+
+def acquire(folder: Path, grace_s: float = HELD_GRACE_S) -> int:
+    """Lock ``folder`` (created, mode 0700, if missing) for this process; returns the descriptor to keep
+    open until the folder is released. Raises :class:`FolderHeldError` when another process still holds
+    it after ``grace_s``."""
+    path = folder / LOCK_FILE
+    deadline = time.monotonic() + grace_s
+    attempts = 0
+    while attempts < _ATTEMPTS:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        try:
+            fd = try_lock(path)
+        except FileNotFoundError:
+            fd = _create_locked(path)
+            if fd is None:
+                attempts += 1
+                continue  # another agent created it first: try to lock theirs
+        if fd is None:
+            if time.monotonic() >= deadline:
+                raise FolderHeldError(str(folder))
+            time.sleep(_POLL_S)  # flock has no timeout; the holder may be dying
+            continue
+        if _still_named(fd, path):
+            return fd
+        os.close(fd)  # we locked a lock file that its stopping owner just removed: start over
+        attempts += 1
+    raise FolderHeldError(str(folder))

@@ -2,8 +2,8 @@
 
 Every torchrun flag keeps its spelling (dashes or underscores) and its ``PET_*`` environment default,
 so a torchrun command line works after replacing the command name. This module declares the options
-and the console entry point; :mod:`agent.cli.resolve` resolves them into settings and
-:mod:`agent.executor.startup` runs the agent.
+(torchrun's process and log flags come from :mod:`agent.cli.torchrun`) and the console entry point;
+:mod:`agent.cli.resolve` resolves them into settings and :func:`run_agent` runs the agent.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import sys
 import click
 
 from agent.cli.resolve import given_options, resolve
-from agent.cli.torchrun_flags import torchrun_options
+from agent.cli.startup import run_agent
+from agent.cli.torchrun import torchrun_options
 from agent.errors import EXIT_CONFIG, AgentError
-from agent.executor.startup import run_agent
 from agent.observe.progress import DEFAULT_PROGRESS_INTERVAL_S
 from agent.settings import DEFAULT_HANG_TIMEOUT_S, DEFAULT_MASTER_TIMEOUT_S, DEFAULT_STOP_GRACE_S
 from elastic.contract import DEFAULT_CKPT_KEEP

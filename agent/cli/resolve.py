@@ -1,8 +1,9 @@
 """Resolution of ``elastic-run``'s parsed options into frozen :class:`~agent.settings.AgentSettings`.
 
-The options are declared in :mod:`agent.cli.main` (torchrun's in :mod:`agent.cli.torchrun_flags`), single
-values checked in :mod:`agent.cli.values`; this module combines them: the master addresses and whether this
-agent hosts the master, the job settings, torchrun's compatibility flags, the token and TLS.
+The options are declared in :mod:`agent.cli.main`; :func:`resolve` reads them top to bottom, once: the node
+count and the worker command, the master addresses and whether this agent hosts the master, torchrun's
+flags (judged by :mod:`agent.cli.torchrun`), the job settings, this node's address, TLS, the token and the
+metrics listener. Every bad value is a click usage error (one line, exit 2), raised before anything starts.
 """
 
 from __future__ import annotations
@@ -10,18 +11,24 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import secrets
+import shutil
 import socket
+import sys
 import uuid
+from typing import Any
 
 import click
 from click.core import ParameterSource
 
-from agent.cli import values
-from agent.cli.torchrun_flags import resolve_torchrun
+from agent.cli import torchrun
 from agent.executor.net import is_local_host, local_address_for
-from agent.settings import DEFAULT_STOP_GRACE_S, AgentSettings
+from agent.settings import AgentSettings
 from elastic.control import job_settings as ms
 from elastic.control.addresses import parse_addresses, split_address
+from elastic.control.auth import TokenError, derived_token, job_token
+from elastic.control.cli_options import job_settings_from
+from elastic.control.listener_rules import AGENT_METRICS, MASTER_API, Auth, ListenerRuleError, check_listener
 from elastic.control.protocol import valid_host
 
 log = logging.getLogger(__name__)
@@ -33,7 +40,7 @@ def given_options(ctx: click.Context) -> frozenset[str]:
     return frozenset(name for name in ctx.params if ctx.get_parameter_source(name) in given)
 
 
-def resolve(o: dict, given: frozenset[str] = frozenset()) -> tuple[AgentSettings, str | None]:
+def resolve(o: dict[str, Any], given: frozenset[str] = frozenset()) -> tuple[AgentSettings, str | None]:
     """Resolve the CLI into frozen settings; returns (settings, address to embed a master at or None).
 
     ``given``: the options the user gave (see :func:`given_options`); torchrun flags that cannot apply
@@ -42,8 +49,8 @@ def resolve(o: dict, given: frozenset[str] = frozenset()) -> tuple[AgentSettings
         min_nodes, max_nodes = ms.parse_nnodes(o["nnodes"])
     except ms.SettingsError as exc:
         raise click.BadParameter(str(exc).removeprefix("--nnodes "), param_hint="--nnodes") from None
-    nproc = values.nproc(o["nproc_per_node"])
-    argv = values.worker_argv(o["training_script"], o["training_script_args"], o["module"], o["no_python"])
+    nproc = _nproc(o["nproc_per_node"])
+    argv = _worker_argv(o["training_script"], o["training_script_args"], o["module"], o["no_python"])
     endpoint = o["rdzv_endpoint"]
     if not endpoint and not o["standalone"] and (o["master_addr"] or max_nodes > 1):
         endpoint = f"{o['master_addr'] or '127.0.0.1'}:{o['master_port'] or 29500}"
@@ -59,38 +66,16 @@ def resolve(o: dict, given: frozenset[str] = frozenset()) -> tuple[AgentSettings
             masters = tuple(parse_addresses(endpoint))
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--master") from None
-    rdzv_conf, unknown_rdzv_keys = values.rdzv_conf(o["rdzv_conf"])
-    compat = resolve_torchrun(
-        o,
-        given,
-        nproc=nproc,
-        gpus=values.visible_gpus(),
-        default_stop_grace=DEFAULT_STOP_GRACE_S,
-        unknown_rdzv_keys=unknown_rdzv_keys,
-    )
+    try:
+        compat = torchrun.resolve_flags(o, given, nproc=nproc, gpus=visible_gpus(), environ=os.environ)
+    except torchrun.FlagError as exc:
+        if exc.flag is None:
+            raise click.UsageError(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint=exc.flag) from None
     job_id = o["rdzv_id"]
     if standalone and job_id == "none":
         job_id = f"standalone-{uuid.uuid4().hex[:8]}"
-    try:
-        job = ms.JobSettings(
-            job_id=job_id,
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            node_unit=o["node_unit"],
-            heartbeat_interval_s=o["heartbeat_interval"],
-            heartbeat_timeout_s=o["heartbeat_timeout"],
-            max_restarts=o["max_restarts"],
-            straggler_factor=o["straggler_factor"],
-            node_check=o["node_check"],
-            node_check_factor=o["node_check_factor"],
-            # --rdzv-conf's join_timeout/last_call_timeout, unless --join-timeout/--last-call are given.
-            **{
-                key: rdzv_conf[key] if key in rdzv_conf and flag not in given else o[flag]
-                for key, flag in (("join_timeout_s", "join_timeout"), ("last_call_s", "last_call"))
-            },
-        )
-    except ms.SettingsError as exc:
-        raise click.UsageError(str(exc)) from None
+    job = job_settings_from(o, job_id=job_id, min_nodes=min_nodes, max_nodes=max_nodes, **compat.job_fields)
     if o["local_addr"] and not valid_host(o["local_addr"]):
         raise click.BadParameter(
             f"{o['local_addr']!r} is not an IP address or a host name", param_hint="--local-addr"
@@ -99,12 +84,12 @@ def resolve(o: dict, given: frozenset[str] = frozenset()) -> tuple[AgentSettings
     embed = None
     if not standalone and len(masters) == 1 and is_local_host(split_address(masters[0])[0]):
         embed = masters[0]
-    tls_ca, tls_cert, tls_key = values.tls(o, standalone, embed)
+    tls_ca, tls_cert, tls_key = _tls(o, standalone, embed)
     settings = AgentSettings(
         argv=argv,
         nproc=nproc,
         job=job,
-        token=values.token(o["token_file"], job_id, masters),
+        token=_token(o["token_file"], job_id, masters),
         node_id=o["node_id"] or f"{socket.gethostname()}-{os.getpid()}",
         masters=masters,
         host_master_at=None,
@@ -134,5 +119,126 @@ def resolve(o: dict, given: frozenset[str] = frozenset()) -> tuple[AgentSettings
     for warning in compat.warnings:
         log.warning("%s", warning)
     if settings.metrics_port is not None:
-        values.check_metrics_listener(settings)
+        _check_metrics_listener(settings)
     return settings, embed
+
+
+def visible_gpus() -> int:
+    """GPU count without importing torch (the agent must start fast)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len([p for p in pathlib.Path("/dev").glob("nvidia[0-9]*")])
+
+
+def _nproc(value: str) -> int:
+    """``--nproc-per-node``: a number, or cpu, gpu or auto (torchrun's meaning)."""
+    value = str(value).strip().lower()
+    if value == "cpu":
+        return os.cpu_count() or 1
+    if value in ("gpu", "auto"):
+        gpus = visible_gpus()
+        if value == "gpu" and gpus == 0:
+            raise click.BadParameter(
+                "'gpu' was asked for but no GPU is visible", param_hint="--nproc-per-node"
+            )
+        return gpus or (os.cpu_count() or 1)
+    try:
+        count = int(value)
+    except ValueError:
+        raise click.BadParameter(
+            f"must be a positive integer, cpu, gpu or auto; got {value!r}", param_hint="--nproc-per-node"
+        ) from None
+    if count < 1:
+        raise click.BadParameter(f"must be at least 1, got {count}", param_hint="--nproc-per-node")
+    return count
+
+
+def _worker_argv(script: str, args: tuple[str, ...], module: bool, no_python: bool) -> tuple[str, ...]:
+    """The worker command line: ``python -u script args``, ``python -u -m module args`` or the command."""
+    if module and no_python:
+        raise click.UsageError("--module and --no-python cannot be used together")
+    if no_python:
+        if not (shutil.which(script) or os.path.exists(script)):
+            raise click.UsageError(f"program {script!r} not found (with --no-python it is run as a command)")
+        return (script, *args)
+    if module:
+        return (sys.executable, "-u", "-m", script, *args)
+    if not os.path.isfile(script):
+        raise click.UsageError(f"training script {script!r} not found")
+    return (sys.executable, "-u", script, *args)
+
+
+_NO_TOKEN_HELP = (
+    "a job whose master is not on this machine's loopback needs a token, else anyone who can reach the "
+    "master can control the job: create one (elastic-master --token-file tok creates it, or "
+    "umask 077; python3 -c 'import secrets; print(secrets.token_urlsafe(32))' > tok), copy it to every "
+    "node and pass --token-file tok (or set ELASTIC_TOKEN)"
+)
+
+
+def _token(token_file: str | None, job_id: str, masters: tuple[str, ...]) -> str:
+    """The job's token: --token-file, else ELASTIC_TOKEN, else (only where no other machine can reach the
+    master: standalone, or a master on loopback) a random or derived one."""
+    try:
+        token = job_token(token_file)
+    except TokenError as exc:
+        raise click.BadParameter(str(exc), param_hint="--token-file") from None
+    if token is not None:
+        return token
+    if not masters:
+        return secrets.token_urlsafe(24)  # standalone: the embedded master listens on 127.0.0.1 only
+    # Torchrun-style command lines on one machine keep working with a derived token; off loopback the
+    # listener rules refuse it (the master at that address, maybe hosted by an agent, would accept anyone).
+    for address in masters:
+        try:
+            check_listener(MASTER_API, split_address(address)[0], auth=Auth.DERIVED, tls=False)
+        except ListenerRuleError:
+            raise click.UsageError(_NO_TOKEN_HELP) from None
+    return derived_token(job_id)
+
+
+def _tls(o: dict[str, Any], standalone: bool, embed: str | None) -> tuple[str | None, str | None, str | None]:
+    """``(tls_ca, tls_cert, tls_key)`` checked: --tls-ca makes the agent speak https to every master
+    address; --tls-cert/--tls-key serve the master this agent may host (convenience mode) over https."""
+    ca, cert, key = o["tls_ca"], o["tls_cert"], o["tls_key"]
+    if bool(cert) != bool(key):
+        raise click.UsageError("--tls-cert and --tls-key go together: give both or neither")
+    if cert and standalone:
+        raise click.UsageError(
+            "--tls-cert/--tls-key are for the master an agent hosts for other nodes; the --standalone "
+            "master listens on 127.0.0.1 only and speaks plain http"
+        )
+    if cert and not ca:
+        raise click.UsageError(
+            "--tls-cert/--tls-key need --tls-ca: every agent, the hosting one included, verifies the "
+            "master's certificate"
+        )
+    if standalone:
+        return None, None, None  # the embedded master is on loopback: a CA meant for daemons is not used
+    from elastic.control.tls import TLSConfigError, client_context, server_context  # ssl: only when asked for
+
+    try:
+        if ca:
+            client_context(ca)
+    except TLSConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--tls-ca") from None
+    try:
+        if cert and key and embed is not None:  # the other nodes of a torchrun-style command never host
+            server_context(cert, key)
+    except TLSConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--tls-cert/--tls-key") from None
+    return ca, cert, key
+
+
+def _check_metrics_listener(settings: AgentSettings) -> None:
+    """The listener rules for ``--metrics-port`` (before anything starts): a usage error, or warnings."""
+    auth = Auth.DERIVED if settings.token == derived_token(settings.job.job_id) else Auth.SECRET
+    try:
+        warnings = check_listener(
+            AGENT_METRICS, settings.local_addr or "127.0.0.1", auth=auth, tls=bool(settings.tls_cert)
+        )
+    except ListenerRuleError as exc:
+        raise click.UsageError(f"--metrics-port: {exc}") from None
+    for warning in warnings:
+        log.warning("%s", warning)

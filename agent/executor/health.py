@@ -33,7 +33,7 @@ from agent.settings import AgentSettings
 from agent.workers.environment import worker_envs
 from agent.workers.group import FailureInfo, WorkerExit, WorkerGroup, WorkerSpec
 from elastic import contract
-from elastic.control.protocol import Assignment, JobInfo, NodeCheckResult
+from elastic.control.protocol import Assignment, JobInfo, NodeCheckResult, NodeCheckStage
 from elastic.node_check import RESULT_ENV, TIMEOUT_ENV
 from elastic.report import STACK_FILE_ENV
 
@@ -175,4 +175,4 @@ def read_check_result(path: Path, exit_: WorkerExit, group: WorkerGroup) -> Node
         return NodeCheckResult(**{k: v for k, v in data.items() if k in fields})
     except (OSError, ValueError, TypeError, ValidationError):
         info = group.failure_info(exit_)
-        return NodeCheckResult(ok=False, stage="crash", error=info.message[-2000:])
+        return NodeCheckResult(ok=False, stage=NodeCheckStage.CRASH, error=info.message[-2000:])

@@ -3,7 +3,8 @@
 The heartbeat thread reports the node's view (agent.executor.node_view.NodeView, written by the main thread
 only), checks the running workers for hangs (agent.executor.health.HangMonitor) and posts what it learns as
 events for the machine (agent.machine.decisions): a non-``continue`` command while workers run, a hang, the
-master forgetting the node, a final refusal, or how long the master has been silent.
+master forgetting the node, a final refusal, or how long the master has been silent. Its beat is the poll
+loop of agent.executor.master_link under the heartbeat's policy.
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ from collections.abc import Callable
 
 from agent.checkpoints.keeper import CheckpointKeeper
 from agent.executor.health import HangMonitor
-from agent.executor.master_link import MasterLink
+from agent.executor.master_link import MasterLink, OnGiveUp, PollPolicy
 from agent.executor.node_view import NodeView
 from agent.machine.events import AgentEvent, CommandReceived, HangSeen, NodeUnknown
 from agent.observe.channel import ProgressChannel
-from elastic.control.client import Backoff, MasterError, MasterRejectedError
-from elastic.control.error_table import Disposition
-from elastic.control.protocol import PERSIST_ERROR_MAX, Command, HeartbeatRequest, NodeState, WorkerProgress
+from elastic.control.protocol import (
+    PERSIST_ERROR_MAX,
+    Command,
+    CommandReply,
+    HeartbeatRequest,
+    NodeState,
+    WorkerProgress,
+)
 
 
 def heartbeat_request(
@@ -64,7 +70,7 @@ def heartbeat_request(
 
 
 class HeartbeatThread:
-    """Sends a heartbeat every interval until ``closing`` is set (thread ``heartbeat``)."""
+    """Sends a heartbeat every interval until the agent closes (thread ``heartbeat``)."""
 
     def __init__(
         self,
@@ -75,7 +81,6 @@ class HeartbeatThread:
         keeper: CheckpointKeeper | None,
         post: Callable[[AgentEvent], None],
         generation: Callable[[], int],
-        closing: threading.Event,
         call_timeout: float,
     ) -> None:
         self.link = link
@@ -85,46 +90,54 @@ class HeartbeatThread:
         self._keeper = keeper
         self._post = post
         self._generation = generation
-        self._closing = closing
         self.call_timeout = call_timeout  # per address, for one heartbeat call
+        self._tick = 0  # the worker generation of the current beat: its events belong to it
 
     def start(self) -> None:
-        threading.Thread(target=self._loop, name="heartbeat", daemon=True).start()
+        threading.Thread(target=self.run, name="heartbeat", daemon=True).start()
 
-    def _loop(self) -> None:
-        link, client, node_id = self.link, self.link.client, self.link.settings.node_id
-        interval = link.heartbeat_interval
-        # After a failed heartbeat the next one comes after a random 50-100% of the interval: jitter but
-        # no backoff, so that a master that just took over hears from every live node well within its
-        # grace period (one heartbeat timeout), yet not from all nodes at the same instant.
-        retry = Backoff(interval, interval)
-        wait = interval
-        while not self._closing.wait(wait):
-            wait = interval
-            generation = self._generation()
-            if self._view().state is NodeState.RUNNING:
-                hangs = self._hangs.check(generation)
-                if hangs:
-                    self._post(HangSeen(tuple(hangs), generation=generation))
-            if not client.has_joined(node_id):
-                continue  # no incarnation yet (the join is being retried): nothing to report for
-            try:
-                reply = client.heartbeat(self._request(), timeout=self.call_timeout)
-            except MasterRejectedError as exc:
-                if exc.disposition is Disposition.FINAL:
-                    link.refused(exc, "heartbeat", generation)
-                elif exc.disposition is Disposition.REJOIN and self._view().state is not NodeState.WAITING:
-                    self._post(NodeUnknown(exc.message, generation=generation))
-                continue
-            except MasterError as exc:
-                link.tls_trouble.failed(exc)
-                self._post(link.unreachable(generation))
-                wait = retry.next()
-                continue
-            link.contact()
-            if self._keeper is not None and reply.command is Command.CONTINUE:
-                self._keeper.set_replica_targets(
-                    reply.peers
-                )  # peer replication (agent.checkpoints.replication)
-            if reply.command is not Command.CONTINUE and self._view().state is NodeState.RUNNING:
-                self._post(CommandReceived(reply, generation=generation))
+    def policy(self) -> PollPolicy:
+        """A heartbeat every interval. After a failed one the next comes after a random 50-100% of the
+        interval: jitter but no backoff, so that a master that just took over hears from every live node
+        well within its grace period (one heartbeat timeout), yet not from all nodes at the same instant.
+        A refusal that retrying may fix waits for the next beat; the others are posted, and it beats on."""
+        interval = self.link.heartbeat_interval
+        return PollPolicy(
+            "heartbeat",
+            backoff=(interval, interval),
+            period_s=interval,
+            refused_wait_s=interval,
+            on_give_up=OnGiveUp.POST_AND_GO_ON,
+        )
+
+    def run(self) -> None:
+        """Beat until the agent closes (the heartbeat thread's body)."""
+        self.link.poll(self._beat, self.policy(), self._answered, generation=self._new_tick, post=self._relay)
+
+    def _new_tick(self) -> int:
+        self._tick = self._generation()
+        return self._tick
+
+    def _beat(self) -> CommandReply | None:
+        """One beat: check the running workers for hangs, then send the heartbeat (None: not joined yet)."""
+        if self._view().state is NodeState.RUNNING:
+            hangs = self._hangs.check(self._tick)
+            if hangs:
+                self._post(HangSeen(tuple(hangs), generation=self._tick))
+        client = self.link.client
+        if not client.has_joined(self.link.settings.node_id):
+            return None  # no incarnation yet (the join is being retried): nothing to report for
+        return client.heartbeat(self._request(), timeout=self.call_timeout)
+
+    def _answered(self, reply: CommandReply) -> None:
+        if self._keeper is not None and reply.command is Command.CONTINUE:
+            self._keeper.set_replica_targets(reply.peers)  # peer replication (agent.checkpoints.replication)
+        if reply.command is not Command.CONTINUE and self._view().state is NodeState.RUNNING:
+            self._post(CommandReceived(reply, generation=self._tick))
+
+    def _relay(self, event: AgentEvent) -> None:
+        # A node that waits (joining, or between rounds) is expected to be unknown for a moment: rejoining
+        # is up to the calls it waits for.
+        if isinstance(event, NodeUnknown) and self._view().state is NodeState.WAITING:
+            return
+        self._post(event)

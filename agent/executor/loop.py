@@ -9,18 +9,20 @@ performs the actions in order:
 * heartbeat (agent.executor.heartbeats) — reports the node's state every interval, relays a non-``continue``
   command, checks for hangs;
 * exit relay — forwards worker exits the moment the worker group sees them;
-* signal handlers (agent.executor.signals) — shutdown signals become events; others are forwarded to the
-workers.
+* signal handlers (:class:`SignalRouter`) — shutdown signals become events; others are forwarded to the
+  workers.
 
-An action that is a call the machine waits for (join, a report, a serve watch) is answered by feeding
-its reply, or its failure, to the machine before any queued event.
+An action that is a call the machine waits for (join, a report, a serve watch, the in-process probe and
+pause wait) is answered by feeding its reply, or its failure, to the machine before any queued event.
+:data:`PERFORMERS` names the method that performs each action. The executor also builds each round's worker
+environment (:func:`training_spec`) and words a worker's failure for the heartbeat (:func:`worker_failure`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
-import re
 import signal
 import sys
 import threading
@@ -29,47 +31,44 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, get_args
+from types import FrameType
+from typing import Any
 
 from agent.checkpoints.keeper import CheckpointKeeper
 from agent.errors import AgentError
 from agent.executor import health
 from agent.executor.heartbeats import HeartbeatThread, heartbeat_request
-from agent.executor.inprocess_hub import InProcessHub
-from agent.executor.inprocess_steps import InProcessSteps
+from agent.executor.inprocess import InProcessHub, InProcessSteps
 from agent.executor.master_link import LONG_POLL_S, CallFailed, MasterLink
 from agent.executor.net import free_port
 from agent.executor.node_view import NodeView
-from agent.executor.round_spec import how_it_failed, round_line, training_spec, worker_failure
-from agent.executor.signals import SignalRouter
 from agent.executor.tls_trouble import TLSTrouble
 from agent.machine import events as ev
 from agent.machine.decisions import CHECK_TIMEOUT_S, AgentMachine, MachineConfig
 from agent.observe.channel import ProgressChannel
 from agent.observe.events import event_log_for
 from agent.observe.progress import ProgressReporter, sample_agent
-from agent.settings import AgentSettings
-from agent.workers.group import FailureInfo, WorkerExit, WorkerGroup, WorkerGroupError
-from elastic.contract import INPROCESS_SOCKET
+from agent.settings import AgentSettings, SignalPlan
+from agent.workers.environment import worker_envs
+from agent.workers.group import FailureInfo, WorkerExit, WorkerGroup, WorkerGroupError, WorkerSpec
+from elastic import contract
 from elastic.control.client import MasterClient, MasterError
 from elastic.control.protocol import (
     Assignment,
+    FailureKind,
     HeartbeatRequest,
     JoinRequest,
     LeaveRequest,
     NodeCheckResult,
+    NodeCheckStage,
     NodeState,
+    WorkerFailure,
     describe_figures,
 )
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LONG_POLL_S", "ElasticAgent"]
-
-
-def performer_name(action: type[ev.Action]) -> str:
-    """The :class:`ElasticAgent` method that performs ``action``: ``StopWorkers`` -> ``_stop_workers``."""
-    return "_" + re.sub(r"(?<!^)(?=[A-Z])", "_", action.__name__).lower()
+__all__ = ["LONG_POLL_S", "PERFORMERS", "ElasticAgent", "SignalRouter"]
 
 
 class ElasticAgent:
@@ -94,11 +93,12 @@ class ElasticAgent:
         self.events: queue.SimpleQueue[ev.AgentEvent] = queue.SimpleQueue()
         # Workers run by elastic.inprocess.run connect here: they keep their processes across rounds.
         hub = InProcessHub(channel.folder, self._on_broken)
-        self.worker_env[INPROCESS_SOCKET] = hub.path
+        self.worker_env[contract.INPROCESS_SOCKET] = hub.path
         self.machine = AgentMachine(
             MachineConfig(
                 nproc=settings.nproc,
                 master_timeout_s=settings.master_timeout_s,
+                stop_grace_s=settings.stop_grace_s,
                 hosts_master=settings.host_master_at is not None,
                 ckpt_reset=settings.ckpt_reset,
             )
@@ -108,7 +108,7 @@ class ElasticAgent:
         self.failure_summary: str | None = None  # the job's root-cause summary when it failed
         self.host = settings.local_addr or "127.0.0.1"
         self.event_log = event_log_for(settings.event_log_handler, settings.node_id)
-        self.inprocess = InProcessSteps(hub, group, settings.stop_grace_s, self.event_log)
+        self.inprocess = InProcessSteps(hub, group, self.event_log)
         self.tls_trouble = TLSTrouble(self.event_log)  # a master's certificate that stopped verifying
         self.link = MasterLink(
             settings, client, self.tls_trouble, self.events.put, self._generation, self._closing
@@ -122,10 +122,6 @@ class ElasticAgent:
         self.progress = ProgressReporter(settings.progress_interval_s, lambda: sample_agent(self), log.info)
         self._check_timer: threading.Timer | None = None
         self._check_file = Path()  # where the running node check writes its figures
-        performed = (a for a in get_args(ev.Action) if a is not ev.Exit)  # Exit ends _drive itself
-        self._perform: dict[type, Callable[[Any], ev.AgentEvent | None]] = {
-            a: getattr(self, performer_name(a)) for a in performed
-        }
 
     # -- entry point ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -159,7 +155,7 @@ class ElasticAgent:
                     if action.error is not None:
                         raise AgentError(action.error, action.code)
                     return action.code
-                reply = self._perform[type(action)](action)
+                reply = PERFORMERS[type(action)](self, action)
                 if reply is not None:
                     replies.append(reply)
 
@@ -179,7 +175,6 @@ class ElasticAgent:
             self.keeper,
             self.events.put,
             self._generation,
-            self._closing,
             self.heartbeat_call_timeout,
         ).start()
         self.progress.start()  # the progress line every --progress-interval (agent.observe.progress)
@@ -219,7 +214,7 @@ class ElasticAgent:
         spec = training_spec(s, assignment, self.channel.path, self.worker_env, action.reset_ckpt, root)
         self.channel.reset(s.nproc)
         pids, kept, started_at = self.inprocess.start(
-            spec, assignment.round, self._exit_relay(action.generation)
+            spec, assignment.round, self._exit_relay(action.generation), keep=action.keep
         )
         restart, ranks = assignment.restart_count, spec.global_ranks
         self.event_log.record(
@@ -239,7 +234,6 @@ class ElasticAgent:
             assignment.nnodes,
         )
         self._check_file = health.check_result_file(self.group, assignment)
-        self.inprocess.settle(keep=False)  # a node check runs in a process of its own
         self.channel.reset(1)
         setup_failed: ev.CheckDone | None = None
         try:
@@ -248,7 +242,8 @@ class ElasticAgent:
                 on_exit=self._exit_relay(generation),
             )
         except WorkerGroupError as exc:
-            setup_failed = ev.CheckDone(NodeCheckResult(ok=False, stage="setup", error=str(exc)[-2000:]))
+            failed = NodeCheckResult(ok=False, stage=NodeCheckStage.SETUP, error=str(exc)[-2000:])
+            setup_failed = ev.CheckDone(failed)
         self.view = NodeView(state=NodeState.RUNNING, round=assignment.round, pids=list(self.group.pids))
         self.link.start_watch(generation, assignment.round)
         self._check_timer = threading.Timer(
@@ -263,8 +258,6 @@ class ElasticAgent:
         self._cancel_check_timer()
         self.view = NodeView(state=NodeState.WAITING)
         running = self.group.running()
-        if action.rejoin and self.inprocess.pause(running, self.assignment):
-            return  # they leave their step while the node joins the next round
         self.inprocess.stopped()
         self.group.stop(self.settings.stop_grace_s)
         if self.keeper is not None:
@@ -272,6 +265,21 @@ class ElasticAgent:
             self.keeper.sweep(workers_stopped=True)
         if running:
             self.event_log.record("workers_stopped", local_ranks=running)
+
+    def _probe_workers(self, action: ev.ProbeWorkers) -> ev.AgentEvent:
+        local_ranks, can_leave, failed = self.inprocess.probe()
+        return ev.WorkersProbed(local_ranks, can_leave, failed)
+
+    def _pause_workers(self, action: ev.PauseWorkers) -> None:
+        # The machine began a new generation: exits of paused workers are not failures of the next round.
+        self.view = NodeView(state=NodeState.WAITING)
+        self.inprocess.pause(action.local_ranks, action.round)  # they leave their step while the node joins
+
+    def _await_paused(self, action: ev.AwaitPaused) -> ev.AgentEvent:
+        return ev.PauseSettled(self.inprocess.await_paused(action.timeout_s))
+
+    def _fall_back(self, action: ev.FallBack) -> None:
+        self.inprocess.fall_back(action.round, action.reason)
 
     def _stop_check(self, action: ev.StopCheck) -> None:
         self._cancel_check_timer()
@@ -282,14 +290,14 @@ class ElasticAgent:
 
     def _report_crash(self, action: ev.ReportCrash) -> ev.AgentEvent:
         return self._report_failure(
-            action.round, self.group.failure_info(action.exit), "crash", action.seen_at
+            action.round, self.group.failure_info(action.exit), FailureKind.CRASH, action.seen_at
         )
 
     def _report_broken(self, action: ev.ReportBroken) -> ev.AgentEvent:
         info, seen_at = self.inprocess.broken_cause(
             self.assignment, action.local_rank, action.message, action.seen_at
         )
-        return self._report_failure(action.round, info, "crash", seen_at)
+        return self._report_failure(action.round, info, FailureKind.CRASH, seen_at)
 
     def _on_broken(self, local_rank: int, pid: int, message: str) -> None:  # hub thread; the machine decides
         self.events.put(ev.CollectiveBroken(local_rank, message, time.monotonic(), self.machine.generation))
@@ -297,7 +305,7 @@ class ElasticAgent:
     def _report_hang(self, action: ev.ReportHang) -> ev.AgentEvent:
         root = health.stack_root(self.settings, self.group)
         info = health.hang_failure(action.hangs, self.group.pids, action.assignment, root)
-        return self._report_failure(action.assignment.round, info, "hang", action.seen_at)
+        return self._report_failure(action.assignment.round, info, FailureKind.HANG, action.seen_at)
 
     def _report_success(self, action: ev.ReportSuccess) -> ev.AgentEvent:
         self.view = NodeView(state=NodeState.SUCCEEDED, round=action.round)
@@ -348,7 +356,7 @@ class ElasticAgent:
 
     # -- helpers -------------------------------------------------------------------------------------
     def _report_failure(
-        self, round_number: int, info: FailureInfo, kind: str, seen_at: float
+        self, round_number: int, info: FailureInfo, kind: FailureKind, seen_at: float
     ) -> ev.AgentEvent:
         """Report a local failure (``seen_at``: when the agent saw it, time.monotonic)."""
         log.warning(
@@ -357,7 +365,8 @@ class ElasticAgent:
             info.local_rank,
             how_it_failed(info, kind),
         )
-        self.event_log.record("worker_failed", round=round_number, kind=kind, **asdict(info))
+        cause = {k: v for k, v in asdict(info).items() if k != "generic"}  # the record keeps its fields
+        self.event_log.record("worker_failed", round=round_number, kind=kind.value, **cause)
         failure = worker_failure(info, kind)
         self.view = NodeView(state=NodeState.FAILED, round=round_number, failure=failure, failed_at=seen_at)
         return self._heartbeat_now("failure report")
@@ -399,3 +408,156 @@ class ElasticAgent:
         else:
             log.info("received %s; no worker runs to forward it to", name)
         self.event_log.record("signal_forwarded", signal=name, pids=pids)
+
+
+#: The method that performs each action of the machine (agent.machine.events); Exit ends _drive itself.
+PERFORMERS: dict[type[Any], Callable[[ElasticAgent, Any], ev.AgentEvent | None]] = {
+    ev.Ignored: ElasticAgent._ignored,
+    ev.Note: ElasticAgent._note,
+    ev.StartHeartbeats: ElasticAgent._start_heartbeats,
+    ev.AwaitLauncher: ElasticAgent._await_launcher,
+    ev.Join: ElasticAgent._join,
+    ev.AwaitRound: ElasticAgent._await_round,
+    ev.StartWorkers: ElasticAgent._start_workers,
+    ev.StartCheck: ElasticAgent._start_check,
+    ev.StopWorkers: ElasticAgent._stop_workers,
+    ev.ProbeWorkers: ElasticAgent._probe_workers,
+    ev.PauseWorkers: ElasticAgent._pause_workers,
+    ev.AwaitPaused: ElasticAgent._await_paused,
+    ev.FallBack: ElasticAgent._fall_back,
+    ev.StopCheck: ElasticAgent._stop_check,
+    ev.CollectCheckResult: ElasticAgent._collect_check_result,
+    ev.ReportCrash: ElasticAgent._report_crash,
+    ev.ReportBroken: ElasticAgent._report_broken,
+    ev.ReportHang: ElasticAgent._report_hang,
+    ev.ReportSuccess: ElasticAgent._report_success,
+    ev.ReportCheck: ElasticAgent._report_check,
+    ev.Serve: ElasticAgent._serve,
+    ev.RecordRestart: ElasticAgent._record_restart,
+    ev.Leave: ElasticAgent._leave,
+    ev.Finish: ElasticAgent._finish,
+    ev.Excluded: ElasticAgent._excluded,
+}
+
+
+# -- what a training round starts, and how a failure is worded ---------------------------------------
+def training_spec(
+    settings: AgentSettings,
+    assignment: Assignment,
+    agent_socket: str,
+    worker_env: dict[str, str],
+    reset_ckpt: bool,
+    stack_root: Path,
+) -> WorkerSpec:
+    """This node's workers of ``assignment``: torchrun's contract (agent.workers.environment) plus the
+    agent's ``ELASTIC_*`` additions. ``reset_ckpt``: the first start of --ckpt-reset only (a restart after
+    a failure must restore what this run saved)."""
+    s = settings
+    extra = {contract.NODE_ID: s.node_id, contract.AGENT_SOCKET: agent_socket}
+    if assignment.committed_step is not None:
+        extra[contract.COMMITTED_STEP] = str(assignment.committed_step)
+    if s.ckpt_dir is not None:
+        extra[contract.CKPT_DIR] = str(s.ckpt_dir)
+    if reset_ckpt:
+        extra[contract.CKPT_RESET] = "1"
+    extra.update(worker_env)
+    envs = worker_envs(os.environ, assignment, s.nproc, run_id=s.job.job_id, role=s.role, extra=extra)
+    for local_rank, overrides in enumerate(s.per_rank_env):  # --virtual-local-rank
+        envs[local_rank].update(overrides)
+    health.add_stack_files(envs, stack_root, assignment)
+    return WorkerSpec(
+        argv=list(s.argv),
+        envs=envs,
+        global_ranks=[assignment.rank_offset + i for i in range(s.nproc)],
+        log_dir=s.log_dir,
+        attempt=f"round{assignment.round}",
+        cwd=s.cwd,
+        output=s.output,
+    )
+
+
+def round_line(assignment: Assignment, nproc: int) -> str:
+    """The log line of a round this node trains in."""
+    a = assignment
+    return (
+        f"round {a.round}: node rank {a.node_rank} of {a.nnodes}, ranks {a.rank_offset}-"
+        f"{a.rank_offset + nproc - 1} of world {a.world_size}, restart {a.restart_count}/{a.max_restarts}, "
+        f"term {a.term}"  # a round is (term, number): tests/e2e/test_etcd_trouble_e2e.py reads both
+    )
+
+
+def worker_failure(info: FailureInfo, kind: FailureKind) -> WorkerFailure:
+    """The failure a heartbeat reports for ``info``."""
+    return WorkerFailure(
+        rank=info.global_rank,
+        local_rank=info.local_rank,
+        exit_code=info.exit_code,
+        signal=info.signal,
+        # A message that only restates the signal or exit code repeats those fields: keep real ones only.
+        message="" if info.generic else info.message[-8000:],
+        kind=kind,
+    )
+
+
+def how_it_failed(info: FailureInfo, kind: FailureKind) -> str:
+    """``a hang``, ``signal SIGKILL`` or ``exit code 1``: for the agent's log line."""
+    if kind is FailureKind.HANG:
+        return "a hang"
+    if info.signal is None and info.exit_code is None:
+        return "a failed collective (the process lives on)"
+    return f"signal {info.signal}" if info.signal else f"exit code {info.exit_code}"
+
+
+# -- signals ----------------------------------------------------------------------------------------
+class SignalRouter:
+    """The agent's signal handlers (torchrun's ``--signals-to-handle``), installed from a
+    :class:`SignalPlan` (main thread only); use as a context manager.
+
+    A shutdown signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) is handed to ``on_shutdown`` (the loop queues it
+    and stops the job gracefully). Any other handled signal (SIGUSR1, SIGUSR2: SLURM's warning before a
+    time limit) is forwarded to every live worker by a thread of its own, so that the handler itself takes
+    no lock and the agent's main thread is never needed for it: the agent keeps running.
+    """
+
+    def __init__(
+        self, plan: SignalPlan, on_shutdown: Callable[[int], None], forward: Callable[[int], None]
+    ) -> None:
+        self._plan = plan
+        self._on_shutdown = on_shutdown
+        self._forward = forward
+        self._pending: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # put() is reentrant
+        self._previous: dict[signal.Signals, Any] = {}
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> SignalRouter:
+        if self._plan.forward:
+            self._thread = threading.Thread(target=self._forward_loop, name="signal-forward", daemon=True)
+            self._thread.start()
+        for sig in sorted(self._plan.handled):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        if self._thread is not None:
+            self._pending.put(None)
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum in self._plan.forward:
+            self._pending.put(signum)
+        else:
+            self._on_shutdown(signum)
+
+    def _forward_loop(self) -> None:
+        while True:
+            signum = self._pending.get()
+            if signum is None:
+                return
+            try:
+                self._forward(signum)
+            except Exception:  # a failed forward must not end forwarding
+                log.exception("forwarding %s to the workers failed", signal.Signals(signum).name)

@@ -1,20 +1,24 @@
-"""The agent's calls to its master: calls the executor needs answered, and the long-poll threads.
+"""The agent's calls to its master: one poll loop (:meth:`MasterLink.poll`) under a named policy per call,
+the calls the executor needs answered, and the long-poll threads.
 
-Nothing here decides what the agent does next. A call that fails for good becomes an event for the
-machine (agent.machine.decisions): :class:`~agent.machine.events.NodeUnknown` (404 unknown_node: rejoin),
-:class:`~agent.machine.events.Rejected` (a final refusal: the agent stops) or
-:class:`~agent.machine.events.MasterUnreachable` (how long no master answered; the machine compares it
-with ``--master-timeout``). The long-poll threads post their answers, tagged with their worker generation,
-and end when that generation is over or the agent closes.
+Nothing here decides what the agent does next. Which failures are retried is the error table's word
+(elastic.control.error_table): a ``retry`` refusal and no answer at all are retried; a ``rejoin`` or
+``final`` refusal gives up. A failure becomes an event for the machine (agent.machine.decisions):
+:class:`~agent.machine.events.NodeUnknown` (404 unknown_node: rejoin), :class:`~agent.machine.events.Rejected`
+(a final refusal: the agent stops) or :class:`~agent.machine.events.MasterUnreachable` (how long no master
+answered; the machine compares it with ``--master-timeout``). The long-poll threads post their answers,
+tagged with their worker generation, and end when that generation is over or the agent closes.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from agent.errors import EXIT_CONFIG, EXIT_FAILED, AgentError
 from agent.executor.tls_trouble import TLSTrouble
@@ -37,7 +41,7 @@ from elastic.control.client import (
     MasterUnreachableError,
 )
 from elastic.control.error_table import Disposition
-from elastic.control.protocol import Command, JobInfo
+from elastic.control.protocol import Command, CommandReply, JobInfo, RoundReply, RoundStatus
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,7 @@ log = logging.getLogger(__name__)
 LONG_POLL_S = 20.0
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class CallFailed(MasterError):
@@ -55,8 +60,58 @@ class CallFailed(MasterError):
         self.event = event
 
 
+class Clock(Protocol):
+    """Time as the poll loop sees it (a fake in tests: no sleep)."""
+
+    def monotonic(self) -> float: ...
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep ``seconds``, less when the agent closes meanwhile; True when it closes."""
+        ...
+
+
+@dataclass(frozen=True)
+class SystemClock:
+    """time.monotonic, and sleeps that end when the agent closes."""
+
+    closing: threading.Event
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wait(self, seconds: float) -> bool:
+        return self.closing.wait(seconds)
+
+
+class OnGiveUp(enum.Enum):
+    """What a poll does with a failure it does not retry: a ``rejoin`` or ``final`` refusal, or failures
+    that lasted past its deadline."""
+
+    RAISE = "raise"  # the caller waits for the answer: raise CallFailed(event)
+    POST_AND_END = "post_and_end"  # a long-poll thread: post the event for the machine; the poll ends
+    POST_AND_GO_ON = "post_and_go_on"  # the heartbeat: post it and keep beating
+
+
+@dataclass(frozen=True)
+class PollPolicy:
+    """How one kind of call to the master repeats and retries (see :meth:`MasterLink.poll`)."""
+
+    what: str  # the call, as messages name it ("join", "heartbeat")
+    backoff: tuple[float, float]  # first and longest delay after a failure (doubling, jittered: Backoff)
+    #: How long failures may last before the poll gives up (MasterUnreachable, or Rejected for refusals);
+    #: None: it never does, and posts each failure as MasterUnreachable: the machine judges the silence.
+    deadline_s: float | None = None
+    period_s: float = 0.0  # wait before each call (also the first) unless a failure set another delay
+    refused_wait_s: float | None = None  # wait after a ``retry`` refusal; None: the backoff
+    report_refusals: bool = False  # with no deadline: a ``retry`` refusal is posted as MasterUnreachable too
+    #: The errors that mean no master answered (retried); any other error propagates.
+    unanswered: tuple[type[MasterError], ...] = (MasterError,)
+    on_give_up: OnGiveUp = OnGiveUp.POST_AND_END
+
+
 class MasterLink:
-    """This node's conversation with the job master: contact time, refusals, the long-poll threads."""
+    """This node's conversation with the job master: contact time, refusals, the poll loop, the long-poll
+    threads."""
 
     def __init__(
         self,
@@ -66,6 +121,7 @@ class MasterLink:
         post: Callable[[AgentEvent], None],
         generation: Callable[[], int],
         closing: threading.Event,
+        clock: Clock | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
@@ -73,8 +129,9 @@ class MasterLink:
         self._post = post  # queues an event for the main thread (safe from any thread)
         self._generation = generation  # the machine's current worker generation
         self._closing = closing
+        self.clock: Clock = clock or SystemClock(closing)
         self.heartbeat_interval = settings.job.heartbeat_interval_s
-        self.last_contact = time.monotonic()
+        self.last_contact = self.clock.monotonic()
         #: A final refusal a background thread got (e.g. 403: another agent has this node id): the next
         #: call of the main thread fails with it, even while it is retrying.
         self.final_refusal: Rejected | None = None
@@ -95,70 +152,126 @@ class MasterLink:
     # -- contact -------------------------------------------------------------------------------------
     def contact(self) -> None:
         """A master answered."""
-        self.last_contact = time.monotonic()
+        self.last_contact = self.clock.monotonic()
         self.tls_trouble.answered()
 
     def unreachable(self, generation: int | None = None) -> MasterUnreachable:
         """The event for a failed call: how long no master answered, and the line to stop with."""
-        silent = time.monotonic() - self.last_contact
+        silent = self.clock.monotonic() - self.last_contact
         message = self.tls_trouble.lost(silent, self.settings.master_timeout_s, self.client.addresses)
         return MasterUnreachable(silent, message, generation=generation)
 
-    def refused(self, exc: MasterRejectedError, what: str, generation: int) -> None:
-        """A background thread's call was refused: post NodeUnknown (rejoin) or, when final, Rejected."""
-        if exc.disposition is Disposition.REJOIN:
-            self._post(NodeUnknown(exc.message, generation=generation))
-        else:
-            self.final_refusal = rejection(exc, what)
-            self._post(self.final_refusal)
+    # -- the poll loop -------------------------------------------------------------------------------
+    def poll(
+        self,
+        call: Callable[[], T | None],
+        policy: PollPolicy,
+        on_answer: Callable[[T], R | None],
+        *,
+        wanted: Callable[[], bool] = lambda: True,
+        generation: Callable[[], int | None] = lambda: None,
+        post: Callable[[AgentEvent], None] | None = None,
+    ) -> R | None:
+        """Call ``call`` until ``on_answer`` makes something of an answer (returned), ``wanted`` says the
+        poll is over or the agent closes (None), or it gives up (``policy.on_give_up``). ``call`` returns
+        None when it had nothing to send this time (no answer to count). Events are tagged with
+        ``generation()`` of their attempt and posted with ``post`` (default: the main thread's queue)."""
+        post = post or self._post
+        backoff = Backoff(*policy.backoff)
+        refused_since: float | None = None  # the first ``retry`` refusal in a row (a poll with a deadline)
+        delay = policy.period_s
+        while True:
+            if delay > 0 and self.clock.wait(delay):
+                return None  # the agent closes
+            if not wanted():
+                return None
+            delay, tag = policy.period_s, generation()
+            if self.final_refusal is not None and policy.on_give_up is OnGiveUp.RAISE:
+                raise CallFailed(self.final_refusal)  # e.g. a heartbeat learnt that another agent has this id
+            try:
+                reply = call()
+            except MasterRejectedError as exc:
+                if exc.disposition is not Disposition.RETRY:
+                    event: AgentEvent = (
+                        NodeUnknown(exc.message, generation=tag)
+                        if exc.disposition is Disposition.REJOIN
+                        else rejection(exc, policy.what)
+                    )
+                    if self._give_up(event, policy, post):
+                        return None
+                    continue
+                if policy.deadline_s is None:
+                    if policy.report_refusals:
+                        post(self.unreachable(tag))
+                else:
+                    now = self.clock.monotonic()
+                    if refused_since is None:
+                        refused_since = now
+                        log.warning(
+                            "master refused the %s (%s: %s); retrying for at most %gs (--master-timeout)",
+                            policy.what,
+                            exc.code,
+                            exc.message,
+                            policy.deadline_s,
+                        )
+                    if now - refused_since > policy.deadline_s:
+                        message = (
+                            f"master refused the {policy.what} for {now - refused_since:.0f}s "
+                            f"(--master-timeout {policy.deadline_s:g}s): {exc.message}"
+                        )
+                        if self._give_up(Rejected(message, exit_code(exc)), policy, post):
+                            return None
+                        continue
+                delay = policy.refused_wait_s if policy.refused_wait_s is not None else backoff.next()
+                continue
+            except policy.unanswered as exc:
+                # TLS too: after the first contact, a certificate that stops verifying may be a failover
+                # under way (agent.executor.tls_trouble); the workers train on while it is retried.
+                self.tls_trouble.failed(exc)
+                delay = backoff.next()
+                if policy.deadline_s is None:
+                    post(self.unreachable(tag))
+                    continue
+                silent = self.clock.monotonic() - self.last_contact
+                if silent > policy.deadline_s:
+                    lost = MasterUnreachable(silent, str(exc)) if self.tls_trouble.reason is None else None
+                    if self._give_up(lost or self.unreachable(), policy, post):
+                        return None
+                continue
+            if reply is None:
+                continue  # nothing was sent
+            self.contact()
+            backoff.reset()
+            refused_since = None
+            result = on_answer(reply)
+            if result is not None:
+                return result
+
+    def _give_up(self, event: AgentEvent, policy: PollPolicy, post: Callable[[AgentEvent], None]) -> bool:
+        """Hand ``event`` on as ``policy`` says; True when the poll ends."""
+        if policy.on_give_up is OnGiveUp.RAISE:
+            raise CallFailed(event)
+        if isinstance(event, Rejected):
+            self.final_refusal = event  # the main thread's next call fails with it too
+        post(event)
+        return policy.on_give_up is OnGiveUp.POST_AND_END
 
     # -- calls the main thread waits for -------------------------------------------------------------
     def call(self, call: Callable[[], T], what: str) -> T:
         """``call``, retried (backoff with jitter) while no master answers, and while the error table
-        says to retry a refusal (elastic.control.error_table; e.g. 409 duplicate_node: another live agent uses
-        this node id), for at most --master-timeout. Raises :class:`CallFailed` otherwise."""
-        retry = Backoff(0.1, 2.0)
-        refused_since: float | None = None
-        timeout = self.settings.master_timeout_s
-        while True:
-            if self.final_refusal is not None:  # e.g. a heartbeat learnt that another agent has this id
-                raise CallFailed(self.final_refusal)
-            try:
-                reply = call()
-                self.contact()
-                return reply
-            except MasterRejectedError as exc:
-                if exc.disposition is Disposition.REJOIN:
-                    raise CallFailed(NodeUnknown(exc.message)) from None
-                if exc.disposition is Disposition.FINAL:
-                    raise CallFailed(rejection(exc, what)) from None
-                now = time.monotonic()
-                if refused_since is None:
-                    refused_since = now
-                    log.warning(
-                        "master refused the %s (%s: %s); retrying for at most %gs (--master-timeout)",
-                        what,
-                        exc.code,
-                        exc.message,
-                        timeout,
-                    )
-                if now - refused_since > timeout:
-                    message = (
-                        f"master refused the {what} for {now - refused_since:.0f}s (--master-timeout "
-                        f"{timeout:g}s): {exc.message}"
-                    )
-                    raise CallFailed(Rejected(message, exit_code(exc))) from None
-                time.sleep(retry.next())
-            except (MasterUnreachableError, MasterTLSError) as exc:
-                # TLS too: after the first contact, a certificate that stops verifying may be a failover
-                # under way (agent.executor.tls_trouble); the workers train on while it is retried.
-                self.tls_trouble.failed(exc)
-                silent = time.monotonic() - self.last_contact
-                if silent > timeout:
-                    if self.tls_trouble.reason is None:
-                        raise CallFailed(MasterUnreachable(silent, str(exc))) from None
-                    raise CallFailed(self.unreachable()) from None
-                time.sleep(retry.next())
+        says to retry a refusal (e.g. 409 duplicate_node: another live agent uses this node id), for at
+        most --master-timeout. Raises :class:`CallFailed` otherwise."""
+        policy = PollPolicy(
+            what,
+            backoff=(0.1, 2.0),
+            deadline_s=self.settings.master_timeout_s,
+            unanswered=(MasterUnreachableError, MasterTLSError),
+            on_give_up=OnGiveUp.RAISE,
+        )
+        answer = self.poll(call, policy, lambda reply: reply)  # every answer ends it (a reply is never None)
+        if answer is None:  # a poll that raises ends with an answer or an error
+            raise AssertionError(f"the {what} poll ended without an answer")
+        return answer
 
     # -- long-poll threads ---------------------------------------------------------------------------
     def start_round_wait(self, generation: int, after: int) -> None:
@@ -176,53 +289,45 @@ class MasterLink:
     def _current(self, generation: int) -> bool:
         return generation == self._generation() and not self._closing.is_set()
 
+    def _long_poll_backoff(self) -> tuple[float, float]:
+        return (0.1, min(1.0, self.heartbeat_interval))  # while the master is away
+
     def _await_assignment(self, generation: int, after: int) -> None:
-        retry = Backoff(0.1, min(1.0, self.heartbeat_interval))  # while the master is away
-        while self._current(generation):
-            try:
-                reply = self.client.next_round(self.settings.node_id, after, LONG_POLL_S)
-            except MasterRejectedError as exc:
-                if exc.disposition is not Disposition.RETRY:
-                    self.refused(exc, "rendezvous", generation)
-                    return
-                self._post(self.unreachable(generation))
-                time.sleep(retry.next())
-                continue
-            except MasterError as exc:
-                self.tls_trouble.failed(exc)
-                self._post(self.unreachable(generation))
-                time.sleep(retry.next())
-                continue
-            self.contact()
-            retry.reset()
-            if reply.status == "assigned" and reply.assignment is not None:
+        def answered(reply: RoundReply) -> bool | None:
+            if reply.status == RoundStatus.ASSIGNED and reply.assignment is not None:
                 self._post(RoundAssigned(reply.assignment, generation=generation))
-                return
-            if reply.status == "finished":
+                return True
+            if reply.status == RoundStatus.FINISHED:
                 self._post(JobFinished(reply.outcome, generation=generation))
-                return
+                return True
+            return None  # still waiting: ask again
+
+        policy = PollPolicy("rendezvous", self._long_poll_backoff(), report_refusals=True)
+        node_id = self.settings.node_id
+        self.poll(
+            lambda: self.client.next_round(node_id, after, LONG_POLL_S),
+            policy,
+            answered,
+            wanted=lambda: self._current(generation),
+            generation=lambda: generation,
+        )
 
     def _watch(self, generation: int, round_number: int) -> None:
-        retry = Backoff(0.1, min(1.0, self.heartbeat_interval))  # while the master is away
-        while self._current(generation):
-            try:
-                reply = self.client.watch(self.settings.node_id, round_number, LONG_POLL_S)
-            except MasterRejectedError as exc:
-                if exc.disposition is not Disposition.RETRY:
-                    self.refused(exc, "watch", generation)
-                    return
-                time.sleep(self.heartbeat_interval)
-                continue
-            except MasterError as exc:
-                self.tls_trouble.failed(exc)
-                self._post(self.unreachable(generation))
-                time.sleep(retry.next())
-                continue
-            self.contact()
-            retry.reset()
-            if reply.command is not Command.CONTINUE:
-                self._post(CommandReceived(reply, generation=generation))
-                return
+        def answered(reply: CommandReply) -> bool | None:
+            if reply.command is Command.CONTINUE:
+                return None  # keep watching
+            self._post(CommandReceived(reply, generation=generation))
+            return True
+
+        policy = PollPolicy("watch", self._long_poll_backoff(), refused_wait_s=self.heartbeat_interval)
+        node_id = self.settings.node_id
+        self.poll(
+            lambda: self.client.watch(node_id, round_number, LONG_POLL_S),
+            policy,
+            answered,
+            wanted=lambda: self._current(generation),
+            generation=lambda: generation,
+        )
 
 
 def exit_code(exc: MasterRejectedError) -> int:

@@ -1,7 +1,7 @@
 """TLS trouble with the master while a job runs: the agent's memory of why no master answers.
 
 At the first contact a certificate that does not verify is a configuration error, and the agent stops at once
-(agent.cli.bootstrap). Later it may be a failover under way (a standby with a wrong certificate took over, or
+(agent.cli.startup). Later it may be a failover under way (a standby with a wrong certificate took over, or
 a master was restarted with a certificate from another CA) that an operator can fix while the workers train
 on. So the agent loop's threads retry as for an unreachable master, until ``--master-timeout``, and report
 each failure here: the TLS reason is logged at once, one line, when it starts or changes (also as a

@@ -8,7 +8,14 @@ master (join, a report, a serve watch) is answered by the executor feeding the r
 failure) back before it reads any other event. Tests drive it with a fake clock
 (tests/unit/agent/test_agent_machine.py).
 
-Worker generations: every worker start, stop, join and zygote wait begins a new generation; an event
+In-process recovery: a node that leaves its round for the next (a new round, a failure reported, the
+master forgetting it) first asks the executor whether its live workers can leave their step
+(:class:`~agent.machine.events.WorkersProbed`). The machine pauses them when they all can (they are kept
+while the node joins), stops them when they cannot, and falls back to process restarts when the last
+re-form failed or when they do not leave their step within --stop-grace of the pause
+(:class:`~agent.machine.events.PauseSettled`, in state PAUSED, once the next round is assigned).
+
+Worker generations: every worker start, stop, pause, join and zygote wait begins a new generation; an event
 tagged with an older one is stale (an exit caused by a stop, a long-poll answer for a round that is over)
 and ignored. Signals and final refusals carry no generation: they always count.
 """
@@ -20,11 +27,13 @@ import logging
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from agent.machine.events import (
     Action,
     AgentEvent,
     AwaitLauncher,
+    AwaitPaused,
     AwaitRound,
     CheckDone,
     CheckTimeout,
@@ -34,6 +43,7 @@ from agent.machine.events import (
     EventKind,
     Excluded,
     Exit,
+    FallBack,
     Finish,
     HangSeen,
     Ignored,
@@ -46,6 +56,9 @@ from agent.machine.events import (
     MasterUnreachable,
     NodeUnknown,
     Note,
+    PauseSettled,
+    PauseWorkers,
+    ProbeWorkers,
     RecordRestart,
     Rejected,
     ReportBroken,
@@ -63,8 +76,16 @@ from agent.machine.events import (
     StopCheck,
     StopWorkers,
     WorkerExited,
+    WorkersProbed,
 )
-from elastic.control.protocol import Assignment, Command, CommandReply, NodeCheckResult, Outcome
+from elastic.control.protocol import (
+    Assignment,
+    Command,
+    CommandReply,
+    NodeCheckResult,
+    NodeCheckStage,
+    Outcome,
+)
 
 #: The agent gives up on its node-check process (result: ``timeout``) after this long; its collectives
 #: time out after CHECK_PG_TIMEOUT_S, so a node that breaks its part makes its peers fail within it.
@@ -82,12 +103,15 @@ FORGOTTEN = (
 class AgentState(enum.Enum):
     """Where a node's agent is. The lifecycle, start to end::
 
-        STARTING ─► WARMING ─► JOINING ─► WAITING_ROUND ─► TRAINING ─► REPORTING_FAILURE ─► JOINING ...
-                 └──────────────►┘              │            └─► REPORTING_SUCCESS ─► SERVING ─► DONE
+        STARTING ─► WARMING ─► JOINING ─► WAITING_ROUND ─► TRAINING ─► REPORTING_FAILURE ─► LEAVING ─► JOINING
+                 └──────────────►┘              │  │         └─► REPORTING_SUCCESS ─► SERVING ─► DONE
+                                                │  └─► PAUSED ─► TRAINING  (its workers paused when it left)
                                                 └─► CHECKING ─► REPORTING_CHECK ─► AWAITING_VERDICT ─► JOINING
 
-    A command to rejoin, or the master forgetting the node, leads from any working state back to
-    JOINING; a stop command, a signal, an unreachable master or a final refusal leads to DONE.
+    TRAINING or REPORTING_FAILURE go to LEAVING when the node leaves its round for the next: the live
+    workers pause (kept; JOINING, then PAUSED until they left their step) or stop (JOINING). A command to
+    rejoin, or the master forgetting the node, leads from any other working state back to JOINING; a stop
+    command, a signal, an unreachable master or a final refusal leads to DONE.
     """
 
     STARTING = "starting"  # start: nothing fed yet
@@ -96,6 +120,8 @@ class AgentState(enum.Enum):
     WAITING_ROUND = "waiting_round"  # joined; long-polling for this node's assignment
     TRAINING = "training"  # this round's workers run
     REPORTING_FAILURE = "reporting_failure"  # a crash or hang is being reported (before stopping)
+    LEAVING = "leaving"  # leaving the round for the next: can the live workers leave their step?
+    PAUSED = "paused"  # the next round is assigned; the paused workers finish leaving their step
     REPORTING_SUCCESS = "reporting_success"  # every local worker succeeded; reporting it
     SERVING = "serving"  # done here, but this agent hosts the master: watching until the job stops
     CHECKING = "checking"  # the node-check process of a check round runs
@@ -110,11 +136,21 @@ class MachineConfig:
 
     nproc: int  # workers per node: all of them must succeed for the node to succeed
     master_timeout_s: float  # how long the master may stay silent before the agent gives up
+    stop_grace_s: float  # --stop-grace: also how long paused workers may take to leave their step
     hosts_master: bool = False  # this agent serves the master for other nodes: it stays until the job ends
     ckpt_reset: bool = False  # --ckpt-reset: the first start (only) ignores saved checkpoints
 
 
-_Handler = Callable[["AgentMachine", AgentEvent, float], list[Action]]
+# Each handler takes the event class of its kind (the table pairs them): Any, as Callable is contravariant.
+_Handler = Callable[["AgentMachine", Any, float], list[Action]]
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Live workers asked to leave their step of ``round`` (kept for the next round) by ``deadline``."""
+
+    round: int
+    deadline: float
 
 
 class AgentMachine:
@@ -129,6 +165,7 @@ class AgentMachine:
         self.assignment: Assignment | None = None  # the round it works in
         self.succeeded: set[int] = set()  # local ranks of this round that exited 0
         self.workers_started = False
+        self.pause: Pause | None = None  # the live workers are paused, not stopped: kept at the next start
 
     # -- the entry point -----------------------------------------------------------------------------
     def handle(self, event: AgentEvent, now: float) -> list[Action]:
@@ -157,8 +194,21 @@ class AgentMachine:
     def _finish(self, outcome: Outcome | None) -> list[Action]:
         return [Finish(outcome), *self._exit(0 if outcome is None else outcome.exit_code)]
 
-    def _stop(self, rejoin: bool = False) -> Action:
-        return StopWorkers(self._next_generation(), rejoin)
+    def _stop(self) -> Action:
+        self.pause = None  # paused workers are stopped too
+        return StopWorkers(self._next_generation())
+
+    def _start(self, assignment: Assignment, keep: bool = False) -> list[Action]:
+        reset = self.config.ckpt_reset and not self.workers_started  # a restart restores what was saved
+        self.workers_started = True
+        self.state = AgentState.TRAINING
+        return [StartWorkers(self._next_generation(), assignment, reset, keep)]
+
+    def _leave_round(self, *first: Action) -> list[Action]:
+        """Leave this round for the next; the live workers pause or stop once the executor says whether
+        they can leave their step (:meth:`_on_probed`)."""
+        self.state = AgentState.LEAVING
+        return [*first, ProbeWorkers()]
 
     def _join(self) -> list[Action]:
         self.state = AgentState.JOINING
@@ -212,12 +262,14 @@ class AgentMachine:
         self.after = assignment.round
         self.succeeded = set()
         if assignment.check:
+            # A node check runs in a process of its own: paused workers are stopped first.
+            stop = [self._stop()] if self.pause is not None else []
             self.state = AgentState.CHECKING
-            return [StartCheck(self._next_generation(), assignment)]
-        reset = self.config.ckpt_reset and not self.workers_started  # a restart restores what was saved
-        self.workers_started = True
-        self.state = AgentState.TRAINING
-        return [StartWorkers(self._next_generation(), assignment, reset)]
+            return [*stop, StartCheck(self._next_generation(), assignment)]
+        if self.pause is not None:
+            self.state = AgentState.PAUSED  # they had from the pause until its deadline to leave their step
+            return [AwaitPaused(max(0.0, self.pause.deadline - now))]
+        return self._start(assignment)
 
     def _on_finished(self, event: JobFinished, now: float) -> list[Action]:
         return self._finish(event.outcome)
@@ -249,14 +301,35 @@ class AgentMachine:
         reply = event.reply
         if reply.command is Command.STOP:
             return [self._stop(), *self._finish(reply.outcome)]
-        return [self._stop(rejoin=True), RecordRestart(reply.round), *self._join()]
+        return self._leave_round(RecordRestart(reply.round))
+
+    # -- in-process recovery -------------------------------------------------------------------------
+    def _on_probed(self, event: WorkersProbed, now: float) -> list[Action]:
+        if event.failed is not None:
+            # A group could not re-form: this time every local rank restarts its process.
+            return [FallBack(self._round(), event.failed), self._stop(), *self._join()]
+        if not event.can_leave:  # a script without the in-process API (or nothing runs): the usual stop
+            return [self._stop(), *self._join()]
+        # The node joins the next round while its workers leave their step (at most --stop-grace).
+        self.pause = Pause(self._round(), now + self.config.stop_grace_s)
+        pause = PauseWorkers(self._next_generation(), self._round(), event.local_ranks)
+        return [pause, *self._join()]
+
+    def _on_settled(self, event: PauseSettled, now: float) -> list[Action]:
+        pause, assignment = self.pause, self._current()
+        if not event.waiting or pause is None:
+            self.pause = None
+            return self._start(assignment, keep=pause is not None)
+        ranks = ", ".join(map(str, event.waiting))
+        why = f"local ranks {ranks} did not leave their step within {self.config.stop_grace_s:g}s"
+        return [FallBack(pause.round, why), self._stop(), *self._start(assignment)]
 
     # -- outcomes ------------------------------------------------------------------------------------
     def _on_failure_reply(self, event: MasterReplied, now: float) -> list[Action]:
         # Reported before stopping the others, so that the other nodes start stopping in parallel.
         if event.reply.command is Command.STOP:
             return [self._stop(), *self._finish(event.reply.outcome)]
-        return [self._stop(rejoin=True), *self._join()]
+        return self._leave_round()
 
     def _on_success_reply(self, event: MasterReplied, now: float) -> list[Action]:
         reply = event.reply
@@ -272,7 +345,11 @@ class AgentMachine:
 
     def _on_forgotten(self, event: NodeUnknown, now: float) -> list[Action]:
         # Never keep training in a world the master no longer tracks (split brain).
-        return [Note(FORGOTTEN, logging.WARNING), self._stop(rejoin=True), *self._join()]
+        return [Note(FORGOTTEN, logging.WARNING), self._stop(), *self._join()]
+
+    def _on_forgotten_training(self, event: NodeUnknown, now: float) -> list[Action]:
+        # As _on_forgotten, but live training workers may pause (leave their step) instead of stopping.
+        return self._leave_round(Note(FORGOTTEN, logging.WARNING))
 
     # -- node check ----------------------------------------------------------------------------------
     def _on_check_exit(self, event: WorkerExited, now: float) -> list[Action]:
@@ -283,10 +360,11 @@ class AgentMachine:
 
     def _on_check_timeout(self, event: CheckTimeout, now: float) -> list[Action]:
         error = f"no result within {CHECK_TIMEOUT_S:g}s"
-        return self._check_result(NodeCheckResult(ok=False, stage="timeout", error=error))
+        return self._check_result(NodeCheckResult(ok=False, stage=NodeCheckStage.TIMEOUT, error=error))
 
     def _on_check_hang(self, event: HangSeen, now: float) -> list[Action]:
-        return self._check_result(NodeCheckResult(ok=False, stage="hang", error=event.hangs[0].reason[:2000]))
+        result = NodeCheckResult(ok=False, stage=NodeCheckStage.HANG, error=event.hangs[0].reason[:2000])
+        return self._check_result(result)
 
     def _check_result(self, result: NodeCheckResult) -> list[Action]:
         # StopCheck, not StopWorkers: the check round's watch long-poll must go on.
@@ -352,9 +430,12 @@ _TABLE: dict[AgentState, dict[EventKind, _Handler]] = {
         K.COLLECTIVE_BROKEN: M._on_broken,
         K.HANG_SEEN: M._on_hang,
         K.COMMAND_RECEIVED: M._on_training_command,
-        K.UNKNOWN_NODE: M._on_forgotten,
+        K.UNKNOWN_NODE: M._on_forgotten_training,
     },
-    S.REPORTING_FAILURE: {K.MASTER_REPLIED: M._on_failure_reply, K.UNKNOWN_NODE: M._on_forgotten},
+    S.REPORTING_FAILURE: {K.MASTER_REPLIED: M._on_failure_reply, K.UNKNOWN_NODE: M._on_forgotten_training},
+    # The executor answers the probe before any other event: a second reason to leave changes nothing.
+    S.LEAVING: {K.WORKERS_PROBED: M._on_probed},
+    S.PAUSED: {K.PAUSE_SETTLED: M._on_settled, K.UNKNOWN_NODE: M._on_forgotten},
     S.REPORTING_SUCCESS: {K.MASTER_REPLIED: M._on_success_reply, K.UNKNOWN_NODE: M._on_forgotten},
     S.SERVING: {K.MASTER_REPLIED: M._on_serve_reply, K.UNKNOWN_NODE: M._on_forgotten},
     S.CHECKING: {

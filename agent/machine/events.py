@@ -37,6 +37,8 @@ class EventKind(enum.Enum):
     CHECK_TIMEOUT = "check_timeout"  # the node-check process ran past its time
     CHECK_DONE = "check_done"  # the node-check process's figures were read (or could not be)
     COLLECTIVE_BROKEN = "collective_broken"  # an in-process worker's collective failed (a peer vanished)
+    WORKERS_PROBED = "workers_probed"  # whether the live workers can leave their step (in-process recovery)
+    PAUSE_SETTLED = "pause_settled"  # the paused workers left their step, or some did not in time
 
 
 class HangLike(Protocol):
@@ -106,6 +108,27 @@ class CollectiveBroken(Event):
     local_rank: int
     message: str
     seen_at: float
+    generation: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkersProbed(Event):
+    """The answer to :class:`ProbeWorkers`: whether this node's live workers can leave their step and be
+    kept for the next round (in-process recovery), instead of being stopped."""
+
+    kind: ClassVar[EventKind] = EventKind.WORKERS_PROBED
+    local_ranks: tuple[int, ...]  # the live workers
+    can_leave: bool  # every one of them runs the in-process API (elastic.run); False when none runs
+    failed: str | None = None  # why the last in-process recovery failed (a group could not re-form)
+    generation: int | None = None
+
+
+@dataclass(frozen=True)
+class PauseSettled(Event):
+    """The answer to :class:`AwaitPaused`: which paused workers are still in their step."""
+
+    kind: ClassVar[EventKind] = EventKind.PAUSE_SETTLED
+    waiting: tuple[int, ...]  # local ranks that did not leave their step in time; empty: all left (or exited)
     generation: int | None = None
 
 
@@ -181,6 +204,8 @@ AgentEvent = (
     | JobFinished
     | WorkerExited
     | CollectiveBroken
+    | WorkersProbed
+    | PauseSettled
     | HangSeen
     | CommandReceived
     | MasterReplied
@@ -239,11 +264,14 @@ class AwaitRound:
 
 @dataclass(frozen=True)
 class StartWorkers:
-    """Start this round's workers and the watch long-poll. ``reset_ckpt``: pass ELASTIC_CKPT_RESET."""
+    """Start this round's workers and the watch long-poll. ``reset_ckpt``: pass ELASTIC_CKPT_RESET.
+    ``keep``: the paused workers left their step: send them the round's environment and start processes
+    only for the local ranks whose process is gone."""
 
     generation: int
     assignment: Assignment
     reset_ckpt: bool
+    keep: bool = False
 
 
 @dataclass(frozen=True)
@@ -256,11 +284,41 @@ class StartCheck:
 
 @dataclass(frozen=True)
 class StopWorkers:
-    """Stop every worker (TERM, then KILL after --stop-grace); exits from now on belong to ``generation``.
-    ``rejoin``: the node joins the next round; workers that recover in process may pause instead."""
+    """Stop every worker (TERM, then KILL after --stop-grace); exits from now on belong to ``generation``."""
 
     generation: int
-    rejoin: bool = False
+
+
+@dataclass(frozen=True)
+class ProbeWorkers:
+    """Say whether the live workers can leave their step (each runs the in-process API), and why the last
+    in-process recovery failed if it did; feed WorkersProbed."""
+
+
+@dataclass(frozen=True)
+class PauseWorkers:
+    """Ask the live workers (``local_ranks``) to leave their step of ``round``: they are kept for the next
+    round while the node joins it. Exits from now on belong to ``generation``."""
+
+    generation: int
+    round: int
+    local_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AwaitPaused:
+    """Wait, at most ``timeout_s``, until every paused worker left its step (or exited); feed PauseSettled."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class FallBack:
+    """In-process recovery failed (``reason``): log it and record ``inprocess_fallback`` for the ``round``
+    the workers left; the next start restarts their processes."""
+
+    round: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -371,6 +429,10 @@ Action = (
     | StartWorkers
     | StartCheck
     | StopWorkers
+    | ProbeWorkers
+    | PauseWorkers
+    | AwaitPaused
+    | FallBack
     | StopCheck
     | CollectCheckResult
     | ReportCrash

@@ -6,8 +6,9 @@ reports are also passed to an optional ``on_checkpoint(local_rank, step, locatio
 callback (the checkpoint keeper), called on the receiving thread: it must not block. A report that
 carries the worker's round (from ``ELASTIC_ROUND``) passes it as ``round_number=``, which fences the
 keeper's persist; reports of workers that do not send it call the callback without it. A checkpoint
-report that carries the save's duration (seconds) adds it to :attr:`save_latency`. The datagram's form
-is :class:`elastic.contract.Progress`.
+report that carries the save's duration (seconds) adds it to :attr:`save_latency`, a
+:class:`LatencyHistogram` (cumulative buckets, as Prometheus exposes them) that :mod:`agent.observe.metrics`
+reads when Prometheus scrapes. The datagram's form is :class:`elastic.contract.Progress`.
 
 Workers send checkpoint reports with a blocking send (see :mod:`elastic.report`): while this thread
 is stalled they wait in the kernel's queue instead of being dropped.
@@ -15,6 +16,7 @@ is stalled they wait in the kernel's queue instead of being dropped.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import socket
@@ -26,10 +28,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from agent.observe.latency import LatencyHistogram
 from elastic.contract import MAX_DATAGRAM_BYTES, MalformedDatagram, Progress, ProgressKind
 
 RECENT_STEPS = 20
+#: Upper bounds (seconds) of the checkpoint-save histogram's buckets; +Inf is implied. An in-memory save
+#: takes milliseconds for a small model and seconds for tens of GiB.
+SAVE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 log = logging.getLogger(__name__)
 
@@ -153,3 +157,39 @@ class ProgressChannel:
             elif kind is ProgressKind.DONE:
                 progress.done = True
         return True
+
+
+# -- the checkpoint-save histogram: filled on the channel's thread, read when Prometheus scrapes -----------
+@dataclass(frozen=True)
+class HistogramSample:
+    """A histogram read at one moment: ``buckets`` pairs each upper bound (the last ``+Inf``) with the
+    number of observations at most that large (cumulative)."""
+
+    buckets: tuple[tuple[str, int], ...]
+    count: int
+    total: float
+
+
+class LatencyHistogram:
+    """Observations of a latency in seconds, counted into fixed buckets."""
+
+    def __init__(self, bounds: tuple[float, ...] = SAVE_BUCKETS) -> None:
+        self.bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self._total = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        with self._lock:
+            self._counts[bisect.bisect_left(self.bounds, seconds)] += 1
+            self._total += seconds
+
+    def sample(self) -> HistogramSample:
+        with self._lock:
+            counts, total = list(self._counts), self._total
+        cumulative, running = [], 0
+        for bound, count in zip((*(repr(float(b)) for b in self.bounds), "+Inf"), counts, strict=True):
+            running += count
+            cumulative.append((bound, running))
+        return HistogramSample(tuple(cumulative), running, total)

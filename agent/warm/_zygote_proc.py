@@ -1,8 +1,8 @@
 """The warm-start zygote: an interpreter that has imported torch and forks workers from that state.
 
 Started once per agent by :class:`agent.warm.starter.WarmLauncher` as ``python -c <bootstrap>``, where the
-bootstrap executes the zygote's source bundle (:mod:`agent.warm.bundle`: this file last) from the environment
-variable ``_EZ``; the control socket's fd number is in ``_EZ_FD``
+bootstrap executes the zygote's source bundle (:data:`agent.warm.starter.BUNDLE`: this file last) from the
+environment variable ``_EZ``; the control socket's fd number is in ``_EZ_FD``
 and the modules to import in ``_EZ_PRELOAD`` (comma-separated: torch first, then e.g. torch._dynamo, which
 torch.optim imports on first use). Standard library only, plus those imports; after each one the zygote
 checks that it is still safe to fork (one thread, no new native threads, CUDA untouched).

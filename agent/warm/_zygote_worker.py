@@ -1,8 +1,8 @@
 """The worker half of the warm-start zygote: the baseline every worker starts from, and how a forked
 child turns itself into ``python [-u] script args`` / ``python [-u] -m module args``.
 
-Part of the zygote's source bundle (:mod:`agent.warm.bundle`, after :mod:`agent.warm.zygote_ops`, before
-:mod:`agent.warm._zygote_proc`): standard library only, no ``from __future__`` import.
+Part of the zygote's source bundle (:data:`agent.warm.starter.BUNDLE`, after :mod:`agent.warm.zygote_ops`,
+before :mod:`agent.warm._zygote_proc`): standard library only, no ``from __future__`` import.
 
 What a warm worker gets, as an exec'd one does: exactly the given environment (``os.environ`` and the C
 environment), ``sys.argv``/``sys.orig_argv``, ``sys.path[0]``, a fresh ``__main__`` with ``__file__``,
@@ -378,7 +378,7 @@ def _exit_by_sigint(base: _Baseline) -> None:
         base.on_exit(ctypes.cast(base.raise_, ctypes.c_void_p), None)
         _exit(int(signal.SIGINT), base)
     with contextlib.suppress(BaseException):
-        threading._shutdown()  # type: ignore[attr-defined]
+        threading._shutdown()  # type: ignore[attr-defined]  # private, untyped: the interpreter's exit path
     import atexit
 
     atexit._run_exitfuncs()

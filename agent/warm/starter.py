@@ -26,6 +26,13 @@ importing is worth delaying (:meth:`WarmLauncher.warm_up_left_s`): an exec'd wor
 scratch, so waiting is never slower, and it leaves the node's other cores to the job. The agent waits
 (without blocking its event loop) for up to :data:`READY_WAIT_S` after the zygote's start, then execs.
 
+The zygote runs with the worker's interpreter, which need not have this package installed, and must
+import nothing of ours (a forked worker inherits every module the zygote imported). So its code travels
+as source: the files of :data:`BUNDLE` (standard library only), joined in order into one text that
+``python -c`` executes as ``__main__`` (each file imports the others only when it is *not* ``__main__``,
+i.e. in the agent's tree). A forked worker is the zygote's child, not the agent's: its exit is watched
+through a pidfd (:class:`WarmProcess`), and its return code comes from the zygote (which reaps it).
+
 Linux only (pidfd, prctl, /proc). Like the rest of the agent, this module never imports torch.
 """
 
@@ -35,29 +42,25 @@ import contextlib
 import itertools
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
-from typing import Literal
+import zipfile
+from collections.abc import Mapping, Sequence
+from importlib.util import MAGIC_NUMBER
+from pathlib import Path
+from typing import BinaryIO, Literal
 
 from agent.warm import zygote_ops as ops
-from agent.warm.bundle import BOOTSTRAP, filler, zygote_source
-from agent.warm.process import ExitBox, Pending, WarmProcess
-from agent.warm.rules import (
-    PER_WORKER_VARIABLES,
-    current_umask,
-    env_difference,
-    parse_command,
-    start_problem,
-)
 from agent.workers.launchers import Launcher, WorkerProcess, make_child_setup
 from agent.workers.reaper import Reaper
 from agent.workers.types import LauncherUnavailable, WorkerSpec
 from elastic import contract
+from elastic.contract import OMP_NUM_THREADS, TORCHRUN_VARIABLES
 
 __all__ = [
     "DEFAULT_PRELOAD",
@@ -82,6 +85,206 @@ _SEND_BUFFER_BYTES = 4 * 1024 * 1024
 DEFAULT_PRELOAD = ("torch", "torch._dynamo")
 #: Overrides DEFAULT_PRELOAD for the agent: a comma-separated module list ("torch" for torch only).
 PRELOAD_ENV = contract.WARM_PRELOAD
+
+
+# -- which starts a zygote can take: the command's form, the environment's difference ------------------
+#: Variables that may differ between the zygote and a warm worker: the ones the agent sets per worker,
+#: none of which is read when torch or torch._dynamo is imported (checked with torch 2.13).
+PER_WORKER_VARIABLES = frozenset(TORCHRUN_VARIABLES)
+_PER_WORKER_PREFIXES = ("TORCHELASTIC_", "ELASTIC_")
+
+
+def env_difference(zygote_env: Mapping[str, str], worker_env: Mapping[str, str]) -> list[str]:
+    """The variables in which ``worker_env`` differs from ``zygote_env`` other than per-worker ones (empty:
+    the worker can be forked from that zygote)."""
+    differ = []
+    for key in sorted(set(zygote_env) | set(worker_env)):
+        value = worker_env.get(key)
+        if value == zygote_env.get(key):
+            continue
+        if key == OMP_NUM_THREADS:
+            if value is None or not value.isdigit() or int(value) < 1:
+                differ.append(key)
+        elif key not in PER_WORKER_VARIABLES and not key.startswith(_PER_WORKER_PREFIXES):
+            differ.append(key)
+    return differ
+
+
+Mode = Literal["script", "module"]
+
+
+def parse_command(argv: list[str], python: str) -> tuple[Mode, str, list[str], bool] | str:
+    """``(mode, target, args, -u given)`` of a ``python [-u] script|-m module args`` command, else the
+    reason it is not one (mode is "script" or "module")."""
+    if not argv or argv[0] != python:
+        return f"the command does not run this agent's interpreter {python}"
+    rest = list(argv[1:])
+    unbuffered = False
+    while rest and rest[0] == "-u":
+        unbuffered = True
+        rest.pop(0)
+    if not rest:
+        return "the command names no script"
+    if rest[0] == "-m":
+        if len(rest) < 2:
+            return "the command names no module after -m"
+        return "module", rest[1], rest[2:], unbuffered
+    if rest[0].startswith("-"):
+        return f"interpreter option {rest[0]!r} is not supported by warm starts (only -u and -m are)"
+    return "script", rest[0], rest[1:], unbuffered
+
+
+def start_problem(
+    argv: list[str],
+    cwd: str | None,
+    envs: Sequence[Mapping[str, str]],
+    *,
+    python: str,
+    zygote_env: Mapping[str, str],
+) -> str | None:
+    """Why workers with command ``argv``, working directory ``cwd`` and environments ``envs`` cannot be
+    forked from a zygote running ``python`` in ``zygote_env``; None when they can."""
+    parsed = parse_command(argv, python)
+    if isinstance(parsed, str):
+        return parsed
+    mode, target, _, _ = parsed
+    if mode == "script":
+        problem = script_problem(os.path.join(cwd or os.getcwd(), target))
+        if problem is not None:
+            return problem
+    for env in envs:
+        differ = env_difference(zygote_env, env)
+        if differ:
+            shown = ", ".join(differ[:5]) + (", ..." if len(differ) > 5 else "")
+            return (
+                f"the worker environment differs from the zygote's in {shown} "
+                "(read when the interpreter and torch start)"
+            )
+    return None
+
+
+def script_problem(path: str) -> str | None:
+    """Why the interpreter would not run ``path`` as plain source, or None."""
+    if not os.path.isfile(path):
+        return f"script {path!r} not found"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC_NUMBER))
+    except OSError as e:
+        return f"cannot read script {path!r}: {e}"
+    if head == MAGIC_NUMBER or zipfile.is_zipfile(path):
+        return f"script {path!r} is a .pyc or zip file"
+    return None
+
+
+def current_umask() -> int | None:
+    """This process's umask, read without changing it (racy os.umask would affect other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+# -- the zygote's program: its source bundle, bootstrap and argument padding ------------------------------
+_HERE = Path(__file__).parent
+#: The zygote's source files, in execution order: its protocol, the worker half, the zygote proper.
+BUNDLE = ("zygote_ops.py", "_zygote_worker.py", "_zygote_proc.py")
+# `python -c` puts the current directory first on sys.path: import nothing from there, not even the
+# standard library's names. A worker gets its own sys.path[0] (its script's folder, or the cwd).
+_PROLOGUE = "import sys\nif sys.path and sys.path[0] == '':\n    del sys.path[0]\n"
+#: Kept short: the zygote's argument area must not be longer than a worker's command line (see filler).
+BOOTSTRAP = "import os;exec(os.environ.pop('_EZ'))"
+
+
+def zygote_source() -> str:
+    """The zygote's program: the prologue and the files of :data:`BUNDLE`."""
+    parts = [_PROLOGUE]
+    parts += [(_HERE / name).read_text(encoding="utf-8") for name in BUNDLE]
+    return "\n".join(parts)
+
+
+def filler(python: str, argv_hint: list[str] | tuple[str, ...] | None) -> list[str]:
+    """An extra zygote argument that makes its argument area exactly as long as a worker's command line.
+
+    A forked worker rewrites that area to show its own command in /proc/<pid>/cmdline; the area cannot
+    change size, so a shorter command is padded with NULs (empty trailing arguments in psutil).
+    """
+    if not argv_hint:
+        return []
+    size = sum(len(os.fsencode(a)) + 1 for a in (python, "-c", BOOTSTRAP))
+    target = sum(len(os.fsencode(a)) + 1 for a in argv_hint)
+    if target <= size:
+        return []
+    return ["#" * (target - size - 1)]
+
+
+# -- a warm worker seen from the agent, and the bookkeeping of its start ----------------------------------
+class Pending:
+    """A spawn request waiting for the zygote's answer."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.reply: ops.Spawned | ops.SpawnFailed | None = None  # None after done: the zygote went away
+        self.fds: list[int] = []
+        self.exit: ExitBox | None = None
+
+
+class ExitBox:
+    """A warm worker's return code, as the zygote (its parent) reports it."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._returncode: int | None = None
+
+    def set(self, returncode: int | None) -> None:
+        if not self._done.is_set():
+            self._returncode = returncode
+            self._done.set()
+
+    def wait(self) -> int | None:
+        """The return code; None when the zygote died before reporting it."""
+        self._done.wait()
+        return self._returncode
+
+
+class WarmProcess:
+    """A forked worker seen from the agent: not our child, so its exit is watched through a pidfd."""
+
+    def __init__(self, pid: int, pidfd: int, stdout: BinaryIO, stderr: BinaryIO, exit_box: ExitBox) -> None:
+        self.pid = pid
+        self.stdout = stdout
+        self.stderr = stderr
+        self._pidfd = pidfd
+        self._pidfd_lock = threading.Lock()  # send_signal() never uses a closed (or reused) descriptor
+        self._exit = exit_box
+        self._returncode: int | None = None
+
+    def send_signal(self, sig: int) -> None:
+        """Signal the worker through its pidfd: never another process that reuses the pid."""
+        with self._pidfd_lock:
+            if self._pidfd >= 0:
+                signal.pidfd_send_signal(self._pidfd, sig)
+
+    def wait(self) -> int:
+        if self._returncode is not None:
+            return self._returncode
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        while not poller.poll():  # readable once the process has exited; retried on EINTR by Python
+            pass
+        returncode = self._exit.wait()
+        with self._pidfd_lock:
+            os.close(self._pidfd)
+            self._pidfd = -1
+        if returncode is None:
+            # The zygote died before reporting; the worker died with it (PR_SET_PDEATHSIG=SIGKILL).
+            returncode = -int(signal.SIGKILL)
+        self._returncode = returncode
+        return returncode
 
 
 class WarmLauncher(Launcher):

@@ -5,7 +5,7 @@ The agent (:mod:`agent.warm.starter`) and the zygote (:mod:`agent.warm._zygote_p
 descriptors travel beside a message (SCM_RIGHTS). docs/protocol.md ("Warm-start zygote") lists the same
 operations and fields; ``tests/unit/test_contract_docs.py`` fails when the two differ.
 
-This file is also part of the zygote's source bundle (:mod:`agent.warm.bundle`): it runs in a bare
+This file is also part of the zygote's source bundle (:data:`agent.warm.starter.BUNDLE`): it runs in a bare
 interpreter that may not have this package, so it imports nothing but the standard library and has no
 ``from __future__`` import.
 """

@@ -1,9 +1,10 @@
 """The local worker group: spawn, supervise and stop the training processes of one node.
 
-Lifecycle: ``start(spec)`` spawns one process per local rank; ``wait_exit()`` reports each exit as it
-happens (a thread per child blocks in ``wait()`` and pushes to a queue, so exits are seen at once);
-``stop()`` ends every worker and everything it started; ``start()`` may then be called again for the next
-rendezvous round; ``close()`` releases the group for good.
+Lifecycle: ``start(spec, on_exit)`` spawns one process per local rank (its error file, log files, the
+launch, the threads forwarding its output); ``on_exit`` gets each exit as it happens (a thread per child
+blocks in ``wait()``, so exits are seen at once); ``stop()`` ends every worker and everything it started;
+``start()`` may then be called again for the next rendezvous round; ``close()`` releases the group for
+good.
 
 Every worker leads its own process group (and session), so ``stop()`` can signal the worker together with
 its children. Orphans are prevented in three layers:
@@ -25,19 +26,21 @@ starts fast. Linux only (prctl).
 
 import contextlib
 import logging
-import queue
 import shutil
 import subprocess
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO, cast
 
+from agent.workers.errors_file import error_file_path, prepare_error_file
 from agent.workers.filtered_log import FilteredLog, open_filtered_logs
 from agent.workers.launchers import ExecLauncher, Launcher, WorkerProcess
+from agent.workers.output import STDERR_TAIL_LINES, RankLabel, start_forwarder
 from agent.workers.reaper import Reaper
-from agent.workers.spawn import spawn_worker
 from agent.workers.tree import RunningWorker, end_workers, failure_of
 from agent.workers.types import (
     CRASH_SIGNALS,
@@ -81,8 +84,8 @@ _FAILURE_DRAIN_TIMEOUT_S = 0.5
 class WorkerGroup:
     """Spawns, supervises and stops the workers of one node.
 
-    Meant to be driven by one thread (the agent loop); ``stop()`` may also be called from another thread,
-    which wakes a blocked ``wait_exit()``. ``start()`` must run on a long-lived thread, see there.
+    Meant to be driven by one thread (the agent loop); ``stop()`` may also be called from another thread
+    (a signal handler's). ``start()`` must run on a long-lived thread, see there.
     """
 
     def __init__(
@@ -111,8 +114,6 @@ class WorkerGroup:
         # do not signal the same process groups concurrently.
         self._lifecycle = threading.RLock()
         self._workers: list[RunningWorker] = []
-        self._events: queue.Queue[WorkerExit | None] = queue.Queue()
-        self._pending = 0  # exits that will still be reported by wait_exit()
         self._stopping = False  # set by stop(): exits it causes are not reported
         self._stopped = True
         self._closed = False
@@ -158,8 +159,8 @@ class WorkerGroup:
     def start(self, spec: WorkerSpec, on_exit: Callable[[WorkerExit], None] | None = None) -> None:
         """Spawn one worker per local rank of ``spec``.
 
-        ``on_exit`` (optional) is called from a watcher thread for every exit that ``wait_exit()`` would
-        report, the moment it happens; with it the caller needs no thread blocked in ``wait_exit()``.
+        ``on_exit`` (optional) is called from a watcher thread for every worker exit, the moment it happens;
+        exits caused by ``stop()`` are not reported.
 
         Must be called from a long-lived thread (the main thread, or the agent loop's own): the kernel's
         PR_SET_PDEATHSIG fires when the *thread* that forked the worker exits, not the process. Workers of
@@ -185,11 +186,8 @@ class WorkerGroup:
             )
         except OSError as e:
             raise WorkerGroupError(f"cannot create the filtered logs under {spec.log_dir}: {e}") from e
-        events: queue.Queue[WorkerExit | None] = queue.Queue()
         with self._lock:
             self._workers = []
-            self._events = events
-            self._pending = 0
             self._stopping = False
             self._stopped = False
             self._on_exit = on_exit
@@ -216,12 +214,9 @@ class WorkerGroup:
             with self._lock:
                 old = {w.local_rank: w for w in self._workers}
                 kept = [r for r in range(spec.nprocs) if r in old and old[r].returncode is None]
-                events: queue.Queue[WorkerExit | None] = queue.Queue()
                 self._workers = [old[r] for r in kept]
                 for w in self._workers:
                     w.rerank(spec.global_ranks[w.local_rank])
-                self._events = events
-                self._pending = len(kept)
                 self._stopping = False
                 self._stopped = False
                 self._on_exit = on_exit
@@ -231,25 +226,6 @@ class WorkerGroup:
                 launcher = self._spawn_watched(spec, local_rank, launcher)
             logger.info("kept local ranks %s in process, started %s: pids %s", kept, spawned, self.pids)
             return kept, spawned
-
-    def wait_exit(self, timeout: float | None) -> WorkerExit | None:
-        """Block until the next worker exits and return it; None on timeout.
-
-        Returns None at once when no exit is left to report (nothing started, all reported, or stopped):
-        exits caused by ``stop()`` are not reported. ``timeout=None`` waits without limit.
-        """
-        with self._lock:
-            if self._pending <= 0:
-                return None
-            events = self._events
-        try:
-            event = events.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if event is not None:
-            with self._lock:
-                self._pending -= 1
-        return event
 
     def signal_workers(self, sig: int) -> list[int]:
         """Send ``sig`` to every worker process still running (not to its children: a DataLoader worker
@@ -279,7 +255,7 @@ class WorkerGroup:
         SIGTERM goes to each worker's process group and to every descendant found with psutil (also those
         that left the group). After up to ``grace_s`` seconds the groups and the surviving descendants get
         SIGKILL. Then all workers are reaped, unregistered from the reaper, and their output is drained.
-        Unreported exits are dropped.
+        The exits it causes are not reported to ``on_exit``.
         """
         with self._lifecycle:
             self._stop(grace_s)
@@ -289,10 +265,7 @@ class WorkerGroup:
             if self._stopped:
                 return
             self._stopping = True
-            self._pending = 0
             workers = list(self._workers)
-            events = self._events
-        events.put(None)  # wake a wait_exit() blocked in another thread
         end_workers(workers, grace_s)
         if self._reaper is not None:
             for w in workers:
@@ -361,7 +334,6 @@ class WorkerGroup:
         with self._lock:
             self._workers.append(worker)
             self._workers.sort(key=lambda w: w.local_rank)
-            self._pending += 1
         worker.watcher = threading.Thread(
             target=self._watch, args=(worker,), name=f"worker-rank{global_rank}-wait", daemon=True
         )
@@ -371,21 +343,64 @@ class WorkerGroup:
     def _spawn(
         self, spec: WorkerSpec, local_rank: int, global_rank: int, env: dict[str, str], launcher: Launcher
     ) -> RunningWorker:
-        return spawn_worker(
-            spec, local_rank, global_rank, env, launcher, self._error_dir, self._reaper, self._filtered
+        """Start local rank ``local_rank`` of ``spec`` with ``launcher``, registered with the reaper, its
+        output forwarded (console, ``spec.log_dir``, the filtered logs); raises what the launcher raises."""
+        error_file = error_file_path(self._error_dir, spec.attempt, global_rank)
+        prepare_error_file(error_file)
+        log_files = _open_logs(spec, global_rank)
+        try:
+            proc = launcher.launch(list(spec.argv), {**env, ERROR_FILE: str(error_file)}, spec.cwd)
+        except BaseException:
+            for log_file in log_files:
+                if log_file is not None:
+                    log_file.close()
+            raise
+        if self._reaper is not None:
+            self._reaper.register(proc.pid)
+        worker = RunningWorker(
+            local_rank=local_rank,
+            global_rank=global_rank,
+            proc=proc,
+            error_file=error_file,
+            stderr_tail=deque(maxlen=STDERR_TAIL_LINES),
         )
+        # Both are pipes to the agent: every launcher guarantees it.
+        stdout, stderr = cast(BinaryIO, proc.stdout), cast(BinaryIO, proc.stderr)
+        logged = spec.log_dir is not None
+        worker.label = RankLabel(global_rank)
+        worker.readers = [
+            start_forwarder(
+                stdout,
+                global_rank=global_rank,
+                stream="stdout",
+                log_file=log_files[0],
+                console=spec.output.shows(local_rank, "stdout", logged),
+                filtered=self._filtered.get("stdout"),
+                label=worker.label,
+            ),
+            start_forwarder(
+                stderr,
+                global_rank=global_rank,
+                stream="stderr",
+                log_file=log_files[1],
+                tail=worker.stderr_tail,
+                console=spec.output.shows(local_rank, "stderr", logged),
+                filtered=self._filtered.get("stderr"),
+                label=worker.label,
+            ),
+        ]
+        return worker
 
     def _watch(self, worker: RunningWorker) -> None:
         """Watcher thread: block in wait() and report the exit, unless stop() caused it or the worker no
-        longer belongs to the current start (the queue and callback are read at the exit: a worker kept
-        by :meth:`keep_and_start` reports to the newest)."""
+        longer belongs to the current start (the callback is read at the exit: a worker kept by
+        :meth:`keep_and_start` reports to the newest)."""
         returncode = worker.proc.wait()
         with self._lock:
             worker.returncode = returncode
             if self._stopping or not any(w is worker for w in self._workers):
                 return
             event = WorkerExit(worker.local_rank, worker.global_rank, worker.proc.pid, returncode)
-            self._events.put(event)
             callback = self._on_exit
         if callback is not None:
             callback(event)
@@ -400,3 +415,18 @@ class WorkerGroup:
                 if w.proc.pid == exit.pid and w.local_rank == exit.local_rank:
                     return w
         raise ValueError(f"{exit} is not an exit of this group's current workers")
+
+
+def _open_logs(spec: WorkerSpec, global_rank: int) -> tuple[BinaryIO | None, BinaryIO | None]:
+    """The worker's ``--log-dir`` files (``<attempt>/rank<R>/{stdout,stderr}.log``), or none."""
+    if spec.log_dir is None:
+        return None, None
+    folder = spec.log_dir / spec.attempt / f"rank{global_rank}"
+    folder.mkdir(parents=True, exist_ok=True)
+    stdout_log = open(folder / "stdout.log", "wb")  # noqa: SIM115 - the forwarder thread closes it
+    try:
+        stderr_log = open(folder / "stderr.log", "wb")  # noqa: SIM115 - the forwarder thread closes it
+    except OSError:
+        stdout_log.close()
+        raise
+    return stdout_log, stderr_log

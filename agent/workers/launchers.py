@@ -1,4 +1,5 @@
-"""How a worker process comes to be: the :class:`Launcher` interface and :class:`ExecLauncher`.
+"""How a worker process comes to be: the :class:`Launcher` interface and :class:`ExecLauncher`, and when
+the kernel recorded its creation (:func:`last_created_at`).
 
 A launcher returns a :class:`WorkerProcess` that leads its own session (so the group can signal the
 worker with its children), has PR_SET_PDEATHSIG=SIGKILL towards the agent, and writes stdout and stderr
@@ -14,7 +15,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import BinaryIO, Protocol, cast
 
 from agent.workers.types import WorkerSpec
@@ -22,6 +24,7 @@ from agent.workers.types import WorkerSpec
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_START_TIME_FIELD = 19  # field 22 of /proc/PID/stat, counted after the ")" that ends the command name
 
 
 class WorkerProcess(Protocol):
@@ -129,3 +132,31 @@ def _load_prctl() -> Callable[..., int] | None:
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     prctl.restype = ctypes.c_int
     return cast(Callable[..., int], prctl)
+
+
+# When worker processes were created, as the kernel recorded it, on the agent's monotonic clock. The
+# recovery phase ``restart`` ends when the last member's workers started (docs/observability.md). The moment
+# the launch returns comes later than the workers' creation by the start's own bookkeeping (with warm
+# starts: the zygote's answer with the pid and a pidfd), tens of milliseconds on a loaded host; the kernel's
+# record (``/proc/PID/stat`` field 22, in clock ticks since boot, 10 ms on Linux) does not depend on it.
+# Elsewhere than Linux, or once a worker is gone, there is no record: None.
+def created_at(pid: int) -> float | None:
+    """When process ``pid`` was created, in ``time.monotonic()`` seconds, or None (no record)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        ticks = int(stat.rsplit(b")", 1)[1].split()[_START_TIME_FIELD])
+        since_boot = ticks / os.sysconf("SC_CLK_TCK")
+        # CLOCK_BOOTTIME counts from boot like the record; the age converts it to the monotonic clock.
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.monotonic() - max(0.0, age)
+
+
+def last_created_at(pids: Iterable[int]) -> float | None:
+    """When the last of ``pids`` was created (monotonic seconds); None when one has no record."""
+    times = [created_at(pid) for pid in pids]
+    if not times or None in times:
+        return None
+    return max(t for t in times if t is not None)

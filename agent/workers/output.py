@@ -13,9 +13,9 @@ import sys
 import threading
 from collections import deque
 from dataclasses import dataclass
+from enum import IntFlag
 from typing import BinaryIO, Literal
 
-from agent.cli.torchrun_compat import Std, StdSpec
 from agent.workers.filtered_log import FilteredLog
 
 logger = logging.getLogger(__name__)
@@ -25,6 +25,33 @@ MAX_LINE_BYTES = 64 * 1024
 STDERR_TAIL_LINES = 50
 
 StreamName = Literal["stdout", "stderr"]
+
+
+class Std(IntFlag):
+    """Streams of a worker, as torchrun's ``--redirects``/``--tee`` name them."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = OUT | ERR
+
+
+@dataclass(frozen=True)
+class StdSpec:
+    """A ``--redirects``/``--tee`` value (parsed by :func:`agent.cli.torchrun.parse_std_spec`): ``default``
+    for every local rank not in ``by_rank``."""
+
+    default: Std = Std.NONE
+    by_rank: tuple[tuple[int, Std], ...] = ()
+
+    def for_rank(self, local_rank: int) -> Std:
+        """The streams this spec names for ``local_rank``."""
+        return dict(self.by_rank).get(local_rank, self.default)
+
+    @property
+    def empty(self) -> bool:
+        """True when the spec names no stream of any rank."""
+        return self.default is Std.NONE and all(s is Std.NONE for _, s in self.by_rank)
 
 
 @dataclass(frozen=True)

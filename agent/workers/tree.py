@@ -139,6 +139,7 @@ def failure_of(worker: RunningWorker, exit: WorkerExit, drain_timeout_s: float) 
     message = read_error_file(worker.error_file)
     if message is None and (sig is None or sig in CRASH_SIGNALS):
         message = message_from_stderr(list(worker.stderr_tail))
+    generic = message is None
     if message is None:
         message = f"killed by {sig}" if sig else f"exited with code {exit.returncode}"
     return FailureInfo(
@@ -147,4 +148,5 @@ def failure_of(worker: RunningWorker, exit: WorkerExit, drain_timeout_s: float) 
         exit_code=None if sig else exit.returncode,
         signal=sig,
         message=message,
+        generic=generic,
     )

@@ -101,6 +101,9 @@ class FailureInfo:
     exit_code: int | None
     signal: str | None
     message: str
+    #: ``message`` only restates the exit ("killed by SIGKILL", "exited with code 1"): the worker left no
+    #: error of its own, so a report leaves the message out (the signal or exit code says it all).
+    generic: bool = False
 
 
 def signal_name(returncode: int) -> str | None:

@@ -1,13 +1,15 @@
 """Checkpoints: flash saves into the agent's shared memory, restores from whichever holder has the step.
 
 Promises: a worker's :func:`save` returns once the state's bytes are in shared memory the agent owns (so a
-crashed worker's last save survives it), in the raw flash format (``flash_format``; ``torch.save`` as the
-fallback) written into reused, pre-faulted segments (``segments``, ``flash_save``, device copies finished in
-the background by ``device_copy``); :func:`load` / :func:`load_latest` restore the newest step any rank
-holds, the same step on every rank (``restore``). Sharded (DCP) saves follow the same rules per node
-(``shard_*``: layout, save, replay, reader, restore, assemble, holdings); the worker API for them is
-:mod:`elastic.sharded`. File layouts (``layout``, ``shard_layout``) are standard library only, because the
-agent reads them and never imports torch.
+crashed worker's last save survives it), in the raw flash format written into reused, pre-faulted segments
+(``flash``: the format, the writer and its background device copies; ``segments``: the segment pool), with
+``torch.save`` as the fallback; :func:`load` / :func:`load_latest` restore the newest step any rank holds,
+the same step on every rank (``replicated``). Sharded (DCP) saves follow the same rules per node:
+``shard_save`` (flash and disk saves, replayed when the state keeps its structure), ``shard_restore``
+(which step, which files move between nodes, the folder ``dcp.load`` reads) and ``dcp_io`` (DCP's writer,
+replay and reader on shared memory); the worker API for them is :mod:`elastic.sharded`. File layouts
+(``layout``, ``shard_layout``) are standard library only, because the agent reads them and never imports
+torch.
 
 Raises: :class:`CheckpointError` (``elastic.errors``) for a state that does not fit shared memory (the
 message names the sizes) or checkpoint files none of which can be loaded.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from elastic import contract, errors
 
@@ -35,6 +35,10 @@ def resolve_dir(ckpt_dir: str | os.PathLike[str] | None) -> Path:
     return Path(ckpt_dir)
 
 
+@overload
+def env_int(name: str, default: int) -> int: ...
+@overload
+def env_int(name: str, default: None) -> int | None: ...
 def env_int(name: str, default: int | None) -> int | None:
     """The integer in environment variable ``name``, else ``default``; a ValueError naming it if malformed."""
     raw = os.environ.get(name)
@@ -50,12 +54,12 @@ def node_local_rank() -> int:
     """This worker's place on its node; ``ELASTIC_LOCAL_RANK`` stays real under ``--virtual-local-rank``
     (where every worker's ``LOCAL_RANK`` is 0), so that one worker per node writes to shared memory."""
     real = env_int(contract.ELASTIC_LOCAL_RANK, None)
-    return real if real is not None else env_int("LOCAL_RANK", 0)  # type: ignore[return-value]
+    return real if real is not None else env_int("LOCAL_RANK", 0)
 
 
 def resolve_rank(rank: int | None) -> int:
     """``rank``, else the ``RANK`` environment variable, else 0."""
-    return rank if rank is not None else env_int("RANK", 0)  # type: ignore[return-value]
+    return rank if rank is not None else env_int("RANK", 0)
 
 
 def check_args(state: Any, step: Any) -> None:

@@ -3,13 +3,14 @@
 Under elastic-run, :func:`save` is a *flash* save: it writes the state into the shared-memory folder
 that the node's agent owns (``ELASTIC_SHM_DIR``, in ``/dev/shm``) and returns; no disk I/O happens in
 the worker. It is a memory copy of the tensors' bytes into a shared-memory segment that is reused from
-save to save (already faulted in: :mod:`elastic.checkpoint.flash_save`, :mod:`elastic.checkpoint.segments`),
-in the raw format of :mod:`elastic.checkpoint.flash_format` (torch.save only for states that format does not
-describe). The file is written under a temp name and renamed when complete (the rename is the commit), so a
-worker killed mid-save never leaves a torn checkpoint visible, and a worker killed right after a save leaves
-that save behind in the agent's memory. The agent persists it to ``ckpt_dir`` (default its
-``--ckpt-dir``) in the background (see ``agent/checkpoints/keeper.py``). Memory keeps the last
-:data:`elastic.checkpoint.memory.MEMORY_KEEP` saves.
+save to save (already faulted in: :mod:`elastic.checkpoint.flash`, :mod:`elastic.checkpoint.segments`),
+in the raw format of :mod:`elastic.checkpoint.flash`; a state that format does not describe falls back to
+``torch.save`` into a new file. The file is written under a temp name and renamed when complete (the rename
+is the commit), so a worker killed mid-save never leaves a torn checkpoint visible, and a worker killed
+right after a save leaves that save behind in the agent's memory. The agent persists it to ``ckpt_dir``
+(default its ``--ckpt-dir``) in the background (see ``agent/checkpoints/keeper.py``). Memory keeps the last
+:data:`MEMORY_KEEP` saves; when space is short the older goes first, and a save that still does not fit is
+a :class:`CheckpointError` naming the sizes and how to enlarge ``/dev/shm``.
 
 The state of data-parallel training is the same on every rank, so on each node only local rank 0
 writes it to memory (every node then holds a copy), and only the node with ``GROUP_RANK`` 0 asks the
@@ -19,23 +20,32 @@ Without an agent (plain torchrun, or no launcher), :func:`save` falls back to an
 global rank 0 into ``ckpt_dir`` (temp file, fsync, rename, then the ``latest`` marker), keeping the
 newest ``keep``. Both use the layout of :mod:`elastic.checkpoint.layout`.
 
-:func:`load` restores the same step on every rank: the newest step that *every* rank can load, memory
-first, then disk, agreed through the process group. It never restores a mix of steps.
+:func:`load` restores the same step on every rank: the newest step that *any* rank holds (the agent's
+shared memory or the disk folder), agreed through the process group; the ranks that lack it receive it
+from a holder. A node that joins, or replaces a lost one, never holds anything; requiring every rank to
+hold a step would throw the whole job's progress away. Every rank restores the bytes of one holder's file:
+the lowest-ranked holder whose copy loads sends it to all ranks, so no two ranks can restore different
+states under one step number (after a rollback, memory and disk may both hold a "step N" of different
+runs). Should no copy of the newest step load, the ranks agree to try the next newest, together. The
+planning (:func:`plan`) is pure; :func:`restore` does the collectives and the file reads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from elastic import collectives
-from elastic.checkpoint import flash_save, layout, restore
-from elastic.checkpoint import memory as memory_ckpt
+from elastic import collectives, errors
+from elastic.checkpoint import flash, layout, segments
 from elastic.checkpoint.env import (
     CKPT_DIR_ENV,
     CKPT_RESET_ENV,
@@ -78,7 +88,7 @@ def save(
 
     Under elastic-run (``ELASTIC_SHM_DIR`` set) the save is a flash save: local rank 0 of each node
     writes the state into the agent's shared memory (a memory copy into a reused segment, see
-    :mod:`elastic.checkpoint.flash_save`; GPU tensors are copied asynchronously and the save is reported once
+    :mod:`elastic.checkpoint.flash`; GPU tensors are copied asynchronously and the save is reported once
     they are in) and every rank reports the step to its agent; the call returns without disk I/O.
     With ``persist`` (the default) the agent of node rank 0 then copies it to ``ckpt_dir`` (default
     ``ELASTIC_CKPT_DIR``, i.e. elastic-run's ``--ckpt-dir``) in the background, keeping elastic-run's
@@ -145,7 +155,7 @@ def _flash_save(
         report_checkpoint(step)
         return None
     # Reported once the file is visible: at the return, or later for device state (async copies).
-    return memory_ckpt.write(
+    return _write_to_memory(
         state,
         step,
         shm_dir,
@@ -199,7 +209,7 @@ def load_latest(
     candidates += [path for _, path in layout.checkpoint_files(directory) if path != marked]
 
     errors: list[str] = []
-    found = restore.read_valid(candidates, lambda data: restore.parse_checkpoint(data, map_location), errors)
+    found = read_valid(candidates, lambda data: parse_checkpoint(data, map_location), errors)
     if found is not None:
         return found[1]
     if errors:
@@ -230,7 +240,7 @@ def load(
     Each rank lists the steps it can read, memory first (the agent's shared memory, ``ELASTIC_SHM_DIR``)
     then disk (``ckpt_dir``, default ``ELASTIC_CKPT_DIR``). With a process group of more than one rank
     the ranks exchange their lists, pick the newest step held anywhere, and the lowest-ranked holder
-    whose copy loads sends its bytes to every rank (see :mod:`elastic.checkpoint.restore`): a node that joins
+    whose copy loads sends its bytes to every rank (see :func:`restore`): a node that joins
     or replaces a lost one resumes from its peers' memory, and no two ranks restore different states.
     Should no copy of that step load, the ranks try the next newest together. On a node that lacked the
     restored step, local rank 0 keeps the received copy in the agent's memory. Call it on every rank,
@@ -255,7 +265,7 @@ def load(
             load it; or in a multi-rank world without a process group, checkpoints exist but no
             committed step says which to restore.
     """
-    flash_save.wait_all()  # a save whose device copies are still running is in the folder first
+    flash.wait_all()  # a save whose device copies are still running is in the folder first
     copies = _local_copies(ckpt_dir)
     if os.environ.get(CKPT_RESET_ENV, "") in ("1", "true", "yes") and copies:
         # This rank holds nothing, but still takes part in the agreement: another rank's copy wins.
@@ -273,10 +283,8 @@ def load(
         wanted = committed
     rank = torch.distributed.get_rank() if world > 0 else 0
     try:
-        found = restore.restore(
-            copies, world, rank, wanted, lambda data: restore.parse_checkpoint(data, map_location)
-        )
-    except restore.NothingLoadableError as exc:
+        found = restore(copies, world, rank, wanted, lambda data: parse_checkpoint(data, map_location))
+    except NothingLoadableError as exc:
         if wanted is not None:
             raise CheckpointError(f"checkpoint step {wanted} is not loadable by any rank: {exc}") from None
         raise CheckpointError(
@@ -324,3 +332,265 @@ def _forget_newer_memory(step: int) -> None:
     for newer, path in layout.checkpoint_files(Path(shm_dir)):
         if newer > step:
             path.unlink(missing_ok=True)
+
+
+# -- the torch.save fallback of flash saves ---------------------------------------------------------
+# torch.save's headers, pickled metadata and per-record alignment on top of the tensor bytes.
+_SIZE_SLACK_BYTES = 1 << 20
+_PER_TENSOR_SLACK_BYTES = 4096
+
+
+@contextlib.contextmanager
+def without_crc32() -> Iterator[None]:
+    # torch.save's per-record CRC32 costs more than the copy itself (about 2x on a 1 GB state). The file
+    # is committed by rename only when whole, so a checksum adds no protection against torn files.
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    set_ = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or set_ is None:
+        yield
+        return
+    previous = get()
+    set_(False)
+    try:
+        yield
+    finally:
+        set_(previous)
+
+
+def estimated_size(state: Any) -> int:
+    """Bytes a torch.save of ``state`` takes, about: its tensors' storages plus headers."""
+    seen: set[tuple[str, int]] = set()
+    total = _SIZE_SLACK_BYTES
+
+    def walk(obj: Any) -> None:
+        nonlocal total
+        if isinstance(obj, torch.Tensor) and obj.is_sparse:
+            walk(obj._indices())  # no storage of its own: its index and value tensors have them
+            walk(obj._values())
+        elif isinstance(obj, torch.Tensor) and obj.layout != torch.strided:
+            total += obj.numel() * obj.element_size() + _PER_TENSOR_SLACK_BYTES  # at most this, about
+        elif isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            key = (str(obj.device), storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes() + _PER_TENSOR_SLACK_BYTES
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                walk(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                walk(value)
+
+    walk(state)
+    return total
+
+
+def _torch_save(state: dict[str, Any], step: int, directory: Path, keep: int) -> Path:
+    """torch.save ``{"step", "state"}`` as ``step_<step>.pt`` (temp file, rename), keep ``keep``."""
+    final = directory / layout.step_file_name(step)
+    with without_crc32():
+        # No fsync: the folder is in memory. Only the rename makes the checkpoint visible.
+        layout.atomic_write(final, lambda f: torch.save({"step": step, "state": state}, f), durable=False)
+    layout.prune(directory, final, keep)
+    return final
+
+
+# -- the write into the agent's shared memory -------------------------------------------------------
+#: Flash saves kept in shared memory per node: the newest and the one before it.
+MEMORY_KEEP = 2
+
+_warned_fallback = False
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes available in ``directory``'s file system."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def _space_error(
+    step: int, directory: Path, need: int, free: int, size: int | None = None
+) -> CheckpointError:
+    # ``size``: one flash file; memory holds MEMORY_KEEP of them (the double buffer), plus one while the
+    # agent persists the oldest.
+    total = "" if size is None else f" (the {MEMORY_KEEP} saves memory keeps take {_mib(MEMORY_KEEP * size)})"
+    return CheckpointError(
+        f"not enough shared memory for the checkpoint of step {step}: it needs about {_mib(need)} more in "
+        f"{directory}{total}, only {_mib(free)} is available. Enlarge /dev/shm (docker run --shm-size, or "
+        "a Kubernetes emptyDir with medium: Memory and a sizeLimit) to at least "
+        f"{MEMORY_KEEP + 1} times the checkpoint size"
+    )
+
+
+def _ensure_space(directory: Path, step: int, need: int) -> None:
+    """Make room for a checkpoint of ``need`` bytes, or raise a CheckpointError naming the sizes.
+
+    When space is short, memory gives up the older of its two saves first (the newest is kept: it is
+    what a crash during this save falls back to).
+    """
+    free = free_bytes(directory)
+    if free >= need:
+        return
+    for _, path in layout.checkpoint_files(directory)[1:]:
+        path.unlink(missing_ok=True)
+    free = free_bytes(directory)
+    if free < need:
+        raise _space_error(step, directory, need, free)
+
+
+def _write_to_memory(
+    state: dict[str, Any], step: int, directory: Path, on_commit: Callable[[], None]
+) -> Path:
+    """Flash-save into the agent's folder (:mod:`elastic.checkpoint.flash`); ``on_commit()`` once it is
+    visible (later, from a background thread, when device copies are still running at the return)."""
+    global _warned_fallback
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"the agent's shared-memory folder {directory} ({SHM_DIR_ENV}) does not exist; "
+            "is the elastic-run agent of this worker still running?"
+        )
+    # A lambda: the module global is looked up at each call (tests replace it).
+    writer = flash.writer_for(directory, MEMORY_KEEP, lambda folder: free_bytes(folder))
+    try:
+        return writer.save(state, step, on_commit)
+    except flash.Unsupported as exc:
+        if not _warned_fallback:
+            _warned_fallback = True
+            log.warning("elastic.save: the state holds %s: saving with torch.save (slower)", exc)
+    except segments.NoSpaceError as exc:
+        raise _space_error(step, directory, exc.need, exc.free, flash.plan(state).size) from None
+    except flash.AsyncSaveError as exc:
+        raise CheckpointError(str(exc)) from exc
+    path = _write_torch_memory_checkpoint(state, step, directory)
+    writer.forget_removed()  # the pruned segments' memory goes back now
+    on_commit()
+    return path
+
+
+def _write_torch_memory_checkpoint(state: dict[str, Any], step: int, directory: Path) -> Path:
+    """The fallback for states the flash format does not describe: torch.save into a new file."""
+    need = estimated_size(state)
+    _ensure_space(directory, step, need)
+    try:
+        return _torch_save(state, step, directory, MEMORY_KEEP)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise _space_error(step, directory, need, free_bytes(directory)) from exc
+        raise
+
+
+# -- restore from whichever rank holds the step -----------------------------------------------------
+
+
+class NothingLoadableError(errors.CheckpointError):
+    """Some rank holds checkpoints, but no copy of any held step loads."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The step to restore and the ranks that hold a copy of it, in the order they are asked."""
+
+    step: int
+    holders: tuple[int, ...]
+
+
+def plan(holdings: Sequence[Sequence[int]], wanted: int | None, excluded: set[int]) -> Plan | None:
+    """Choose what to restore from each rank's steps (``holdings[rank]``).
+
+    The newest step held by any rank (``wanted`` when given), not in ``excluded``; ``None`` when there
+    is none. Holders are listed lowest rank first: the same answer on every rank from the same input.
+    """
+    held = {step for steps in holdings for step in steps} - excluded
+    if wanted is not None:
+        held &= {wanted}
+    if not held:
+        return None
+    step = max(held)
+    return Plan(step, tuple(rank for rank, steps in enumerate(holdings) if step in steps))
+
+
+def read_valid(
+    paths: Sequence[Path], parse: Callable[[bytes], Any], errors: list[str]
+) -> tuple[bytes, Any] | None:
+    """The bytes of the first of ``paths`` that ``parse`` accepts (it raises on a bad file), parsed."""
+    for path in paths:
+        try:
+            # Under a shared lock: the flash writer of a shared-memory folder never recycles it meanwhile.
+            data = layout.read_shared(path)
+            return data, parse(data)
+        except Exception as exc:  # noqa: BLE001 - any failure to read or parse means: try the next copy
+            log.warning("skipping unreadable checkpoint %s: %s", path, exc)
+            errors.append(f"{path}: {exc}")
+    return None
+
+
+def restore(
+    copies: dict[int, list[Path]],
+    world: int,
+    rank: int,
+    wanted: int | None,
+    parse: Callable[[bytes], Any],
+) -> tuple[Any, int, str, bytes] | None:
+    """Restore the newest step any rank holds; a collective when ``world`` > 1 (call it on every rank).
+
+    Args:
+        copies: this rank's readable files by step, preferred copy first (memory, then disk).
+        world: ranks in the process group (0 or 1: this rank alone).
+        rank: this rank's place in the group.
+        wanted: restore exactly this step, or ``None`` for the newest.
+        parse: turns a file's bytes into the restored value; raises on a damaged file.
+
+    Returns:
+        ``(parsed, step, source, data)`` (``source`` says whose file, ``data`` are its bytes), or
+        ``None`` when no rank holds a step (or ``wanted``).
+
+    Raises:
+        NothingLoadableError: steps are held, but no copy of any of them loads on its holder.
+    """
+    errors: list[str] = []
+    if world <= 1:
+        excluded: set[int] = set()
+        while (chosen := plan([sorted(copies)], wanted, excluded)) is not None:
+            found = read_valid(copies[chosen.step], parse, errors)
+            if found is not None:
+                return found[1], chosen.step, "this rank", found[0]
+            excluded.add(chosen.step)
+        _raise_if_held(excluded, errors)
+        return None
+
+    holdings = collectives.all_step_lists(copies, world)
+    excluded = set()
+    while (chosen := plan(holdings, wanted, excluded)) is not None:
+        for holder in chosen.holders:
+            found = read_valid(copies[chosen.step], parse, errors) if holder == rank else None
+            received = collectives.broadcast_bytes(found[0] if found else None, src=holder)
+            if received is not None:
+                # The holder parsed its own bytes already; the others parse what they received.
+                parsed = found[1] if found is not None else parse(received)
+                return parsed, chosen.step, "this rank" if holder == rank else f"rank {holder}", received
+        excluded.add(chosen.step)  # no holder could read it: the next newest, together
+    _raise_if_held(excluded, errors)
+    return None
+
+
+def _raise_if_held(failed_steps: set[int], errors: list[str]) -> None:
+    if failed_steps:
+        here = "; ".join(errors) or "the copies are on other ranks"
+        raise NothingLoadableError(f"steps {sorted(failed_steps)} are held but none loads; here: {here}")
+
+
+def parse_checkpoint(data: bytes, map_location: Any) -> tuple[dict[str, Any], int]:
+    """``(state, step)`` from the bytes of a file written by ``elastic.save``; raises if it is not one.
+
+    A flash file (:mod:`elastic.checkpoint.flash`, recognised by its magic: memory copies, and the disk
+    copies the agent persists byte for byte) or a torch.save file (disk saves without an agent, older runs).
+    Neither runs code: the flash format is JSON plus raw tensor bytes, and torch.save files load with
+    ``weights_only=True``, so a checkpoint folder on a shared file system cannot be used to execute code
+    in the job.
+    """
+    return flash.parse(data, map_location)

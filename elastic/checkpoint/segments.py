@@ -233,7 +233,8 @@ class SegmentPool:
         """The checkpoints that ``layout.prune(directory, final, keep)`` would remove after this save:
         every step after ``final``'s (a rolled-back run's) and all but the newest ``keep - 1`` before it."""
         current = layout.step_of(final.name)
-        newer, older = [], []
+        newer: list[Path] = []
+        older: list[Path] = []
         for step, path in steps:
             if path != final:
                 (newer if current is not None and step > current else older).append(path)

@@ -37,7 +37,7 @@ MANIFEST = "manifest.json"
 HASHES = "hashes.json"
 METADATA = ".metadata"
 LATEST_MARKER = "latest"
-#: A worker's spare segment (elastic.checkpoint.shard_segments), ``.shard-segment.<pid>.<hex>``: never a
+#: A worker's spare segment (elastic.checkpoint.dcp_io), ``.shard-segment.<pid>.<hex>``: never a
 #: checkpoint.
 SPARE_PREFIX = ".shard-segment."
 STEP_LINK = re.compile(r"^step_(\d{10,})$")
@@ -253,8 +253,13 @@ def tree_size(folder: Path) -> int:
 
 def sha256_file(path: Path) -> str:
     """The sha256 of a file (hashlib releases the GIL on large chunks)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    digest = hashlib.sha256()
+    chunk = bytearray(1 << 20)
+    view = memoryview(chunk)
+    with open(path, "rb", buffering=0) as f:  # hashlib.file_digest's loop, which Python 3.10 lacks
+        while n := f.readinto(chunk):
+            digest.update(view[:n])
+    return digest.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:

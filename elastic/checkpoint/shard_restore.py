@@ -1,21 +1,33 @@
-"""Which files of a sharded checkpoint each node needs at restore, and moving them between ranks.
+"""Restore of sharded checkpoints (:func:`elastic.sharded.load_sharded`): which step, which files move, and
+the folder ``dcp.load`` reads on each node.
 
-A node assembles the files its ranks' DCP load plans read (not every file of the step): at an unchanged
-world size with every node holding its own shards nothing moves; at another world size (re-sharding) a
-node receives only the files whose chunks overlap its ranks' new shards. Each missing file travels once
-per node that needs it, point to point (``dist.send``/``dist.recv``) from one rank that holds it to the
-node's writer (the lowest rank of the node), straight into the file's pages.
+**Which step.** Each node lists the files it holds (its own memory, the replicas it keeps for peers, the
+disk folder) as int64 triples ``(step, save id, file)`` (:func:`held`, :func:`encode`); the ranks exchange
+the lists and pick the newest step whose files they hold together (:func:`choose`).
 
-The planning functions are pure (tested without a process group); :func:`run_transfers` performs a
-list that every rank computed identically, in that order, which cannot deadlock: the first unfinished
-transfer's two ranks have finished everything before it.
+**Which files move.** A node assembles the files its ranks' DCP load plans read (not every file of the
+step): at an unchanged world size with every node holding its own shards nothing moves; at another world
+size (re-sharding) a node receives only the files whose chunks overlap its ranks' new shards. Each missing
+file travels once per node that needs it, point to point (``dist.send``/``dist.recv``) from one rank that
+holds it to the node's writer (the lowest rank of the node), straight into the file's pages. The planning
+functions are pure (tested without a process group); :func:`run_transfers` performs a list that every rank
+computed identically, in that order, which cannot deadlock: the first unfinished transfer's two ranks have
+finished everything before it.
+
+**The folder.** Where the node holds the chosen step whole, its own folder; else one it assembles
+(:func:`assemble`) from the files it holds and the files it lacks, received from ranks that hold them.
+Replicas are checked against the sha256 their sender sent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
+import logging
 import mmap
 import os
+import shutil
 import socket
 import warnings
 from collections.abc import Iterable, Mapping
@@ -26,7 +38,68 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic import collectives
+from elastic.checkpoint import shard_layout as sl
+from elastic.checkpoint.env import CheckpointError
 
+
+# -- which step -------------------------------------------------------------------------------------
+def held(shm: Path | None, disk: Path | None) -> dict[tuple[int, str], dict[str, Path]]:
+    """The files of sharded saves this node holds: ``(step, save id) -> {file name: path}``."""
+    roots: list[tuple[Path, bool]] = []  # (root, parts: uncommitted data folders count too)
+    if shm is not None:
+        roots.append((shm / sl.SHARDED_SUBDIR, False))
+        roots += [(p / sl.SHARDED_SUBDIR, False) for p in sorted((shm / sl.REPLICAS_SUBDIR).glob("*"))]
+    if disk is not None:
+        # A node's part persisted to a folder of its own (no shared file system) is never committed
+        # there; its files are whole (each renamed in), and the union over the nodes may be complete.
+        roots.append((disk / sl.SHARDED_SUBDIR, True))
+    held: dict[tuple[int, str], dict[str, Path]] = {}
+    for root, parts in roots:
+        for step, save_id, data in sl.data_folders(root) if parts else sl.committed(root):
+            files = held.setdefault((step, save_id), {})
+            with contextlib.suppress(FileNotFoundError):
+                for entry in os.scandir(data):
+                    if sl.file_id(entry.name) is not None or entry.name in (sl.METADATA, sl.MANIFEST):
+                        files.setdefault(entry.name, Path(entry.path))
+    return held
+
+
+def encode(held: dict[tuple[int, str], dict[str, Path]]) -> list[int]:
+    """Triples (step, save id, file): a data file's id, or ``-1 - n`` for metadata + manifest of n files."""
+    flat: list[int] = []
+    for (step, save_id), files in held.items():
+        sid = sl.save_id_int(save_id)
+        manifest = sl.read_manifest(files[sl.MANIFEST].parent) if sl.MANIFEST in files else None
+        if manifest is not None and sl.METADATA in files:
+            flat += [step, sid, -1 - len(manifest)]
+        for name in files:
+            fid = sl.file_id(name)
+            if fid is not None:
+                flat += [step, sid, fid]
+    return flat
+
+
+def choose(lists: list[list[int]], wanted: int | None) -> tuple[int, int] | None:
+    """The newest (step, save id int) whose files the ranks hold together (``wanted``: that step)."""
+    expected: dict[tuple[int, int], int] = {}
+    files: dict[tuple[int, int], set[int]] = {}
+    for flat in lists:
+        for i in range(0, len(flat) - 2, 3):
+            step, sid, fid = flat[i : i + 3]
+            if step < 0:
+                continue
+            if fid < 0:
+                expected[(step, sid)] = -1 - fid
+            else:
+                files.setdefault((step, sid), set()).add(fid)
+    complete = [key for key, n in expected.items() if len(files.get(key, ())) == n]
+    if wanted is not None:
+        complete = [key for key in complete if key[0] == wanted]
+    return max(complete) if complete else None
+
+
+# -- which files move -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Transfer:
     """One file sent from rank ``src`` to rank ``dst`` (a node's writer)."""
@@ -113,8 +186,6 @@ def files_read(state: dict[str, Any], folder: Path) -> set[str] | None:
 
 
 def _device() -> torch.device:
-    from elastic import collectives
-
     return collectives.collective_device(str(dist.get_backend()))
 
 
@@ -173,3 +244,132 @@ def run_transfers(
             recv_file(path, t.src)
             received += path.stat().st_size
     return received
+
+
+# -- the folder dcp.load reads ----------------------------------------------------------------------
+log = logging.getLogger(__name__)
+
+_RESTORE_SUBDIR = "restore"
+
+
+def assemble(
+    state: dict[str, Any],
+    step: int,
+    save_id: str,
+    mine: dict[str, Path],
+    manifest: dict[str, int] | None,
+    shm: Path | None,
+    world: int,
+) -> tuple[Path, bool, int]:
+    """The folder ``dcp.load`` reads on this node, whether this rank assembled it (and removes it), and
+    the bytes this rank received from other nodes.
+
+    A node that holds the whole step in one folder reads it there. Any other node assembles, in a folder
+    of its own, links to the files it holds and the files it lacks, received from a rank that holds
+    each, but only the files its ranks' load plans read (:func:`files_read`). Every rank
+    calls it (collectives); replicas are checked against their sha256 where read or sent.
+    """
+    lists = collectives.gather_ints(encode({(step, save_id): mine}), world)
+    holders: dict[int, list[int]] = {}
+    metadata_holders = []
+    for rank, flat in enumerate(lists):
+        for i in range(0, len(flat) - 2, 3):
+            if flat[i] < 0:
+                continue
+            if flat[i + 2] < 0:
+                metadata_holders.append(rank)
+            else:
+                holders.setdefault(flat[i + 2], []).append(rank)
+    # Every rank learns the file names from a holder of the manifest.
+    manifest_bytes = collectives.broadcast_bytes(
+        json.dumps(manifest).encode() if manifest is not None else None, src=metadata_holders[0]
+    )
+    if manifest_bytes is None:
+        raise CheckpointError(f"the manifest of the sharded checkpoint of step {step} is missing")
+    names = {fid: n for n in json.loads(manifest_bytes) if (fid := sl.file_id(n)) is not None}
+    everything = [sl.METADATA, *names.values()]
+    folders = {mine[n].parent for n in everything if n in mine}
+    whole = len(folders) == 1 and all(n in mine for n in everything)  # one folder holds it all
+    keys = [flat[0] for flat in collectives.gather_ints([node_key(shm)], world)]
+    rank = collectives.rank()
+    writer_of = writers(keys)
+    writes = not whole and writer_of[rank] == rank
+    target = next(iter(folders)) if whole else _restore_dir(shm, step, save_id)
+    if writes:
+        shutil.rmtree(target, ignore_errors=True)
+        target.mkdir(parents=True)
+        if sl.METADATA in mine:
+            _link_or_copy(mine[sl.METADATA], target / sl.METADATA)
+    if len(set(metadata_holders)) < max(world, 1):  # small: to every rank, the ones that lack it write it
+        owner = min(metadata_holders)
+        data = collectives.broadcast_bytes(mine[sl.METADATA].read_bytes() if rank == owner else None, owner)
+        if writes and sl.METADATA not in mine and data is not None:
+            (target / sl.METADATA).write_bytes(data)
+    collectives.barrier()  # the metadata is in place: each rank plans its reads from it
+    reads = files_read(state, target)
+    read_ids = sorted(names) if reads is None else sorted(f for f, n in names.items() if n in reads)
+    needs = node_needs(
+        [[f for f in got if f >= 0] for got in collectives.gather_ints(read_ids, world)], writer_of
+    )
+    transfers = plan_transfers(needs, holders)
+    # The node's writer checks the replicas its node reads, a sender those it sends.
+    node_reads = needs.get(rank, ()) if writer_of[rank] == rank else ()
+    checked = {names[f] for f in node_reads if names[f] in mine}
+    checked |= {names[t.file] for t in transfers if t.src == rank}
+    bad = [why for n in sorted(checked) if (why := _verify_replica(mine[n]))]
+    if collectives.any_rank(bool(bad), world):
+        if writes:
+            shutil.rmtree(target, ignore_errors=True)
+        why = "; ".join(bad or ["on another node"])
+        raise CheckpointError(f"a replica of the sharded checkpoint of step {step} is damaged: {why}")
+    if writes:
+        for fid in sorted(needs.get(rank, ())):
+            if names[fid] in mine:
+                _link_or_copy(mine[names[fid]], target / names[fid])
+    received = run_transfers(transfers, rank, names, mine, target)
+    if received:
+        log.info("received %.1f MiB of step %d's shards from other nodes", received / (1 << 20), step)
+    collectives.barrier()  # every node's writer has its files before anyone reads
+    return target, writes, received
+
+
+def _restore_dir(shm: Path | None, step: int, save_id: str) -> Path:
+    """Where a node assembles a step it holds only in parts (shared memory: one per node)."""
+    if shm is not None:
+        return shm / _RESTORE_SUBDIR / sl.data_dir_name(step, save_id)
+    private = Path(os.environ.get("TMPDIR", "/tmp")) / f"elastic-restore-{os.getpid()}"
+    return private / sl.data_dir_name(step, save_id)
+
+
+def _link_or_copy(source: Path, dest: Path) -> None:
+    try:
+        os.link(source, dest)
+    except OSError:
+        shutil.copyfile(source, dest)
+
+
+def _verify_replica(path: Path) -> str:
+    """'' when ``path`` (a replica's file) matches the sha256 its sender sent, else why not."""
+    hashes_file = path.parent / sl.HASHES
+    if not hashes_file.exists():
+        return ""  # not a replica (own memory or disk)
+    try:
+        expected = json.loads(hashes_file.read_text())[path.name]
+    except (OSError, ValueError, KeyError):
+        return f"{path}: no recorded hash"
+    actual = sl.sha256_file(path)
+    if actual == expected:
+        return ""
+    return f"{path}: sha256 {actual[:12]}... differs from the sent {expected[:12]}..."
+
+
+def reader(path: Path, shm: Path | None) -> Any:
+    """DCP's reader of ``path``: files in shared memory are copied from their mapping (one copy, no read
+    into a temporary tensor; :class:`elastic.checkpoint.dcp_io.MappedReader`), files on disk read as DCP
+    reads them."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from elastic.checkpoint.dcp_io import MappedReader
+
+    in_memory = shm is not None and path.resolve().is_relative_to(shm.resolve())
+    return MappedReader(path) if in_memory else FileSystemReader(path)

@@ -2,7 +2,7 @@
 memory under elastic-run, else a save to a disk folder all ranks share.
 
 **Flash**: every rank writes its own shards into ``<shm>/sharded`` through DCP's writer with its data
-files in reused, pre-faulted segments (:mod:`elastic.checkpoint.shard_segments`), and returns; local rank 0 of
+files in reused, pre-faulted segments (:mod:`elastic.checkpoint.dcp_io`), and returns; local rank 0 of
 the node then commits the node's folder and reports it to the agent. A rank's save first waits until local
 rank 0 committed its previous one (the double buffer's newest stays protected from reuse), and while
 the node's replication lags more than the agent's bound (``<shm>/replication.json``).
@@ -20,7 +20,7 @@ import os
 import pickle
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from elastic import collectives
 from elastic.checkpoint import shard_layout as sl
@@ -37,7 +37,7 @@ REPLICATION_STATUS = "replication.json"
 REPLICATION_WAIT_S = 300.0
 _saved: list[int] = []  # steps this process saved into shared memory, oldest first (a few)
 _previous: tuple[Path, int, str] | None = None  # (root, step, save id) of this process's last save
-#: (folder, rank, world size) -> this process's last recorded save there (elastic.checkpoint.shard_replay); a
+#: (folder, rank, world size) -> this process's last recorded save there (elastic.checkpoint.dcp_io); a
 #: file's name holds the rank, so another rank or world never replays it.
 _replays: dict[tuple[Path, int, int], Any] = {}
 
@@ -122,7 +122,7 @@ def flash_save(state: dict[str, Any], step: int, shm: Path, ckpt_dir: str | os.P
     """Save ``state`` into the node's shared-memory folder ``shm`` (every rank calls it)."""
     from torch.distributed.checkpoint.stateful import Stateful
 
-    from elastic.checkpoint import segments, shard_segments
+    from elastic.checkpoint import dcp_io, segments
 
     global _previous
     if not shm.is_dir():
@@ -140,12 +140,12 @@ def flash_save(state: dict[str, Any], step: int, shm: Path, ckpt_dir: str | os.P
     save_id = _shared_save_id()
     tmp = root / sl.tmp_dir_name(step, save_id)
     tmp.mkdir(exist_ok=True)
-    pool = shard_segments.pool_for(root)
+    pool = dcp_io.pool_for(root)
     pool.fresh_bytes, pool.prefault_s = 0, 0.0
     first = _previous is None or _previous[0] != root
     state = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}  # as DCP does
     try:
-        with shard_segments.crc_off():
+        with dcp_io.crc_off():
             metadata = _replayed(state, root, tmp, pool, step, save_id, protect)
             if metadata is None:
                 metadata = _recorded(state, root, tmp, pool, step, save_id, protect)
@@ -188,10 +188,10 @@ def _replay_key(root: Path) -> tuple[Path, int, int]:
 def _replayed(
     state: dict[str, Any], root: Path, tmp: Path, pool: Any, step: int, save_id: str, protect: set[str]
 ) -> Any:
-    """Replay this process's last recorded save with ``state``'s bytes (elastic.checkpoint.shard_replay) when
+    """Replay this process's last recorded save with ``state``'s bytes (elastic.checkpoint.dcp_io) when
     every
     rank can: DCP's metadata, or None (every rank then makes a full save)."""
-    from elastic.checkpoint import shard_segments
+    from elastic.checkpoint import dcp_io
 
     key = _replay_key(root)
     replay = _replays.get(key)
@@ -206,11 +206,12 @@ def _replayed(
     assert replay is not None and chunks is not None
     failure: BaseException | None = None
     try:
-        fs = shard_segments.SegmentFS(pool, step, save_id, protect)
+        fs = dcp_io.SegmentFS(pool, step, save_id, protect)
         for name, file_chunks in chunks.items():
             with fs.create_stream(tmp / name, "wb") as stream:
+                segment = cast(dcp_io.SegmentStream, stream)  # replays hold data files only: segments
                 for chunk in file_chunks:
-                    stream.write_chunk(chunk)
+                    segment.write_chunk(chunk)
     except Exception as exc:  # noqa: BLE001 - every rank learns of it below, then it is raised here
         failure = exc
     # Also what DCP's gathering of write results did: no node commits before all of its ranks wrote.
@@ -228,13 +229,13 @@ def _recorded(
     """A full DCP save, recorded for the next saves to replay."""
     import torch.distributed.checkpoint as dcp
 
-    from elastic.checkpoint import shard_replay, shard_segments
+    from elastic.checkpoint import dcp_io
 
-    recorder = shard_replay.Recorder()
-    writer = shard_segments.SegmentWriter(tmp, pool, step, save_id, protect, recorder)
-    metadata = dcp.save(state, storage_writer=writer, planner=shard_segments.CachingPlanner(recorder))
+    recorder = dcp_io.Recorder()
+    writer = dcp_io.SegmentWriter(tmp, pool, step, save_id, protect, recorder)
+    metadata = dcp.save(state, storage_writer=writer, planner=dcp_io.CachingPlanner(recorder))
     coordinator = collectives.rank() == 0  # DCP's coordinator: it alone writes the small objects
-    replay = recorder.replay(metadata, shard_replay.local_plan(state, coordinator)[1], coordinator)
+    replay = recorder.replay(metadata, dcp_io.local_plan(state, coordinator)[1], coordinator)
     key = _replay_key(root)
     if replay is None:
         _replays.pop(key, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import secrets
 import stat
@@ -11,6 +12,8 @@ from elastic import errors
 
 #: The environment variable that may carry the job's token instead of a token file.
 TOKEN_ENV = "ELASTIC_TOKEN"
+
+log = logging.getLogger(__name__)
 
 
 class TokenError(errors.UsageError, ValueError):
@@ -29,6 +32,27 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
     if not token:
         raise TokenError(f"token file {os.fspath(path)!r} is empty")
     return token
+
+
+def job_token(token_file: str | None, *, create: bool = False, warn_loose: bool = True) -> str | None:
+    """The job's token as both command lines take it: the one in ``token_file`` when given, else
+    ``ELASTIC_TOKEN``, else None (the caller decides: a random or derived token, or a usage error).
+
+    ``create``: a missing ``token_file`` is created with a random token (``elastic-master``; its
+    ``OSError`` propagates). ``warn_loose``: a token file that group or others can access is logged as a
+    warning (the agent and the master daemon; an operator's one-shot command keeps its stderr to its one
+    line). Raises :class:`TokenError` for a missing (unless created), unreadable or empty token file.
+    """
+    if token_file:
+        if create and not os.path.exists(token_file):
+            token = create_token_file(token_file)
+            log.info("created token file %s (share it with every agent of the job)", token_file)
+            return token
+        token = read_token_file(token_file)
+        if warn_loose and (warning := loose_permissions_warning(token_file)):
+            log.warning("%s", warning)
+        return token
+    return os.environ.get(TOKEN_ENV) or None
 
 
 def loose_permissions_warning(path: str | os.PathLike[str]) -> str | None:

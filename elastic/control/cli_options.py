@@ -1,9 +1,11 @@
 """Job-policy flags shared by ``elastic-master`` and ``elastic-run`` (which passes them to the master it
-embeds in standalone and convenience mode): one definition, so defaults and ranges never drift apart."""
+embeds in standalone and convenience mode): one definition of the flags and one of their mapping to
+:class:`~elastic.control.job_settings.JobSettings`, so defaults, ranges and meaning never drift apart."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import click
 
@@ -84,6 +86,31 @@ def job_policy_options(*, embedded: bool) -> Callable:
         return command
 
     return decorate
+
+
+def job_settings_from(
+    opts: Mapping[str, Any], *, job_id: str, min_nodes: int, max_nodes: int, **fields: Any
+) -> ms.JobSettings:
+    """The job settings of the parsed options ``opts``: those :func:`job_policy_options` adds and
+    ``--max-restarts`` (both command lines have it), for job ``job_id`` of ``min_nodes``..``max_nodes``
+    nodes. ``fields``: further :class:`~elastic.control.job_settings.JobSettings` fields, which win over the
+    mapped ones (elastic-master's flap options, elastic-run's --rdzv-conf timeouts). An inconsistent
+    combination is a usage error (exit 2)."""
+    mapped: dict[str, Any] = {
+        "node_unit": opts["node_unit"],
+        "last_call_s": opts["last_call"],
+        "join_timeout_s": opts["join_timeout"],
+        "heartbeat_interval_s": opts["heartbeat_interval"],
+        "heartbeat_timeout_s": opts["heartbeat_timeout"],
+        "max_restarts": opts["max_restarts"],
+        "straggler_factor": opts["straggler_factor"],
+        "node_check": opts["node_check"],
+        "node_check_factor": opts["node_check_factor"],
+    }
+    try:
+        return ms.JobSettings(job_id=job_id, min_nodes=min_nodes, max_nodes=max_nodes, **{**mapped, **fields})
+    except ms.SettingsError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _factor_option(name: str, default: float, help: str) -> Callable:

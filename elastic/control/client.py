@@ -1,7 +1,7 @@
 """Client of the job master API, used by the agent and by ``elastic-master status``.
 
 The agent's calls (info, join, round, heartbeat, watch, leave) go over one agent stream per master
-address (elastic.control.streams, docs/protocol.md "The agent stream"), shared by every thread of the
+address (elastic.control.stream_client, docs/protocol.md "The agent stream"), shared by every thread of the
 client: heartbeats, the watch long-poll and the main loop run concurrently on one connection. A master
 without the stream (an older release: 404 to the upgrade), ``ELASTIC_MASTER_STREAM=0``, and the
 operator's calls (status, readmit) use plain HTTP, with one ``httpx.Client`` per thread. Several master
@@ -51,8 +51,14 @@ from elastic.control.protocol import (
     ReadmitReply,
     RoundReply,
 )
-from elastic.control.stream_client import StreamError, StreamFrameTooLarge, StreamLost
-from elastic.control.streams import MasterStreams, NoStream, stream_wanted
+from elastic.control.stream_client import (
+    MasterStreams,
+    NoStream,
+    StreamError,
+    StreamFrameTooLarge,
+    StreamLost,
+    stream_wanted,
+)
 from elastic.control.tls import client_context, describe_tls_failure, speaks_tls
 
 __all__ = [
@@ -118,7 +124,7 @@ class MasterClient:
             PROTOCOL_HEADER: str(PROTOCOL_VERSION),
         }
         # Node id -> the secret of the incarnation this client joined as: in memory only, never stored or
-        # passed on (master.job.credentials); sent on every request for that node.
+        # passed on (master.job.liveness); sent on every request for that node.
         self._secrets: dict[str, str] = {}
         #: Node id -> (round, term) of its newest assignment (see next_round).
         self._round_terms: dict[str, tuple[int, int]] = {}

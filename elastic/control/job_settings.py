@@ -4,6 +4,7 @@ passed down frozen. (The master's own serving settings are in ``master/service/s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from elastic import errors
 
@@ -21,7 +22,8 @@ DEFAULT_REJOIN_TIMEOUT_S = 30.0
 #: is flagged as a straggler (docs/failures.md).
 DEFAULT_STRAGGLER_FACTOR = 2.0
 #: ``--node-check``: off | on (exclude failed or slow nodes before the first round) | warn (report only).
-NODE_CHECK_MODES = ("off", "on", "warn")
+NodeCheckMode = Literal["off", "on", "warn"]
+NODE_CHECK_MODES: tuple[NodeCheckMode, ...] = get_args(NodeCheckMode)
 #: A node whose check figures exceed this many times the nodes' median counts as slow.
 DEFAULT_NODE_CHECK_FACTOR = 3.0
 #: Flapping nodes (docs/failures.md): a node id lost (declared dead, or its agent replaced by a restarted
@@ -70,7 +72,7 @@ class JobSettings:
     max_restarts: int = DEFAULT_MAX_RESTARTS
     rejoin_timeout_s: float = DEFAULT_REJOIN_TIMEOUT_S
     straggler_factor: float = DEFAULT_STRAGGLER_FACTOR
-    node_check: str = "off"
+    node_check: NodeCheckMode = "off"
     node_check_factor: float = DEFAULT_NODE_CHECK_FACTOR
     #: 0 turns the flapping policy off (master.job.flapping).
     flap_limit: int = DEFAULT_FLAP_LIMIT

@@ -131,7 +131,7 @@ LISTENERS: tuple[Listener, ...] = (MASTER_API, MASTER_METRICS, AGENT_METRICS, RE
 
 def _resolve(host: str) -> set[str]:
     try:
-        return {info[4][0] for info in socket.getaddrinfo(host, None)}
+        return {str(info[4][0]) for info in socket.getaddrinfo(host, None)}  # typed str | int: always str
     except (OSError, UnicodeError):
         return set()
 

@@ -15,8 +15,11 @@ from __future__ import annotations
 import ipaddress
 import re
 from enum import Enum
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from elastic.control.job_settings import NodeCheckMode
 
 API_PREFIX = "/v1"
 JOB_HEADER = "X-Elastic-Job"
@@ -80,7 +83,18 @@ class _Reply(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-class NodeState(str, Enum):
+class WireEnum(str, Enum):
+    """A closed set of wire values: serialised as its value, and ``str()``/``format()`` give the value too
+    (on every Python version), so that logs and status tables show ``running``, not ``NodeState.RUNNING``."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class NodeState(WireEnum):
     """What an agent reports about its local worker group."""
 
     WAITING = "waiting"  # joined, waiting for a round that includes it
@@ -90,13 +104,66 @@ class NodeState(str, Enum):
     FAILED = "failed"  # a local worker failed or hung
 
 
-class Command(str, Enum):
+class Command(WireEnum):
     """What the master tells an agent to do in reply to a heartbeat or watch."""
 
     CONTINUE = "continue"  # keep the workers running
     REJOIN = "rejoin"  # stop the workers and join the next round
     STOP = "stop"  # the job is over: stop the workers and exit with ``exit_code``
     EXCLUDE = "exclude"  # this node is excluded (node check): stop, exit with ``outcome`` (the job goes on)
+
+
+class FailureKind(WireEnum):
+    """How a worker failed (:attr:`WorkerFailure.kind`)."""
+
+    CRASH = "crash"  # it exited non-zero or was killed by a signal
+    HANG = "hang"  # it reported no progress for the hang timeout (or its process is stopped)
+
+
+class NodeCheckStage(WireEnum):
+    """Where a node's health check failed (:attr:`NodeCheckResult.stage`); ``PASSED`` when it did not.
+
+    The stages the check process itself writes (``elastic.node_check``, stdlib-only, so it writes the values)
+    come first; the rest are the agent's verdicts about a check process that gave no result."""
+
+    PASSED = ""
+    SETUP = "setup"
+    INIT = "init"
+    PAIRING = "pairing"
+    MATMUL = "matmul"
+    ALLREDUCE = "allreduce"
+    CRASH = "crash"  # the check process exited without a result
+    HANG = "hang"  # it made no progress (the agent's hang detection)
+    TIMEOUT = "timeout"  # no result within the agent's time limit
+
+
+class RoundStatus(WireEnum):
+    """What the long-poll for the next round answers (:attr:`RoundReply.status`)."""
+
+    ASSIGNED = "assigned"  # the round closed with this node: ``assignment`` says its place
+    WAITING = "waiting"  # no round for this node yet: ask again
+    FINISHED = "finished"  # the job is over: ``outcome`` says how
+
+
+class NodeView(WireEnum):
+    """A node's state in ``/v1/status`` (:attr:`NodeStatus.state`): what its agent last reported
+    (:class:`NodeState`), or that the master excluded it."""
+
+    WAITING = NodeState.WAITING.value
+    STARTING = NodeState.STARTING.value
+    RUNNING = NodeState.RUNNING.value
+    SUCCEEDED = NodeState.SUCCEEDED.value
+    FAILED = NodeState.FAILED.value
+    EXCLUDED = "excluded"  # node check, flapping: out of the job (the job goes on)
+
+
+class JobPhase(WireEnum):
+    """Where the job is (:attr:`JobStatus.phase`)."""
+
+    RENDEZVOUS = "rendezvous"  # no round is running: nodes are gathering for the next one
+    TRAINING = "training"  # a round is running
+    SUCCEEDED = "succeeded"  # over: the job succeeded
+    FAILED = "failed"  # over: the job failed
 
 
 class WorkerFailure(_Model):
@@ -107,7 +174,7 @@ class WorkerFailure(_Model):
     exit_code: int | None = Field(default=None, description="Exit code, or None when killed by a signal.")
     signal: str | None = Field(default=None, description="Signal name when the worker was killed by one.")
     message: str = Field(default="", max_length=8192, description="Error message the worker left, if any.")
-    kind: str = Field(default="crash", description="crash | hang")
+    kind: FailureKind = FailureKind.CRASH
     age_s: float | None = Field(
         default=None,
         ge=0,
@@ -119,7 +186,6 @@ class WorkerFailure(_Model):
 class WorkerProgress(_Model):
     local_rank: int = Field(ge=0)
     pid: int | None = None
-    status: str = "running"
     step: int | None = None
     step_time_s: float | None = None
     compute_time_s: float | None = Field(
@@ -127,16 +193,21 @@ class WorkerProgress(_Model):
         description="Median time per step outside the wait for other ranks' gradients (elastic.track_ddp).",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _ignore_legacy_status(cls, data: Any) -> Any:
+        # Agents of protocol revision 3 and before may send ``status`` (always "running", never read): the
+        # master accepts it and drops it, so that they keep training across a master upgrade.
+        if isinstance(data, dict) and "status" in data:
+            return {k: v for k, v in data.items() if k != "status"}
+        return data
+
 
 class NodeCheckResult(_Model):
     """Figures of one node's health check (``python -m elastic.node_check``), as its agent reports them."""
 
     ok: bool
-    stage: str = Field(
-        default="",
-        max_length=32,
-        description="Where the check failed: setup | init | pairing | matmul | allreduce | crash | timeout.",
-    )
+    stage: NodeCheckStage = Field(default=NodeCheckStage.PASSED, description="Where the check failed.")
     error: str = Field(default="", max_length=2000)
     device: str = Field(default="", max_length=64)
     matmul_s: float | None = Field(default=None, description="Best time of one matmul on the local device.")
@@ -219,7 +290,7 @@ class Outcome(_Reply):
 class RoundReply(_Reply):
     """Reply of the long-poll for the next round."""
 
-    status: str = Field(description="assigned | waiting | finished")
+    status: RoundStatus
     assignment: Assignment | None = None
     outcome: Outcome | None = None
     round: int = Field(description="The master's current round number.")
@@ -301,13 +372,13 @@ class JobInfo(_Reply):
     heartbeat_timeout_s: float
     last_call_s: float
     join_timeout_s: float
-    node_check: str = "off"
+    node_check: NodeCheckMode = "off"
 
 
 class NodeStatus(_Reply):
     node_id: str
     rank: int | None
-    state: str
+    state: NodeView
     heartbeat_age_s: float | None
     restarts: int
     round: int
@@ -349,7 +420,7 @@ class StatusEvent(_Reply):
 class JobStatus(_Reply):
     job_id: str
     master_id: str
-    phase: str
+    phase: JobPhase
     round: int
     world_size: int
     nnodes: int

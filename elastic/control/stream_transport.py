@@ -107,7 +107,7 @@ class _TLS:
             data = self.sock.recv(READ_SIZE)
             if not data:
                 return b""
-            chunks = []
+            chunks: list[bytes] = []
             with self._lock:
                 self._incoming.write(data)
                 while True:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import io
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -46,10 +46,10 @@ def _copy_into(buffer: Any, value: Any) -> Any:
         old = buffer if isinstance(buffer, Mapping) else {}
         return {k: _copy_into(old.get(k), v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        old = (
+        olds: Sequence[Any] = (
             buffer if isinstance(buffer, list | tuple) and len(buffer) == len(value) else [None] * len(value)
         )
-        copied = [_copy_into(b, v) for b, v in zip(old, value, strict=True)]
+        copied = [_copy_into(b, v) for b, v in zip(olds, value, strict=True)]
         return copied if isinstance(value, list) else tuple(copied)
     return copy.deepcopy(value)
 
@@ -133,7 +133,7 @@ def agree(committed: Committed) -> Agreement:
     decided = plan([(int(step), bool(fresh)) for step, fresh in reports])
     if decided.source is not None:
         rank = dist.get_rank()
-        box = [committed.payload() if rank == decided.source else None]
+        box: list[Any] = [committed.payload() if rank == decided.source else None]
         dist.broadcast_object_list(box, src=decided.source)
         if rank in decided.receivers:
             committed.adopt(box[0])

@@ -3,5 +3,5 @@
 Promises: options are validated at the edge into frozen settings; a usage error is one line and exit 2
 (DESIGN.md's exit-code table).
 
-Owns: the master's command line and its terminal views (``status_view``, ``status_watch``).
+Owns: the master's command line, its option groups (``options``) and its terminal views (``status``).
 """

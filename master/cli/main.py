@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Callable
 
 import click
 
 from elastic.control import job_settings as ms
-from elastic.control.auth import (
-    TOKEN_ENV,
-    TokenError,
-    create_token_file,
-    loose_permissions_warning,
-    read_token_file,
-)
-from elastic.control.cli_options import job_policy_options
+from elastic.control.auth import TokenError, job_token
+from elastic.control.cli_options import job_policy_options, job_settings_from
 from elastic.control.listener_rules import MASTER_API, Auth, check_listener
 from elastic.control.tls import (
     TLS_CA_ENV,
@@ -27,28 +20,18 @@ from elastic.control.tls import (
     client_context,
     server_context,
 )
-from master.cli.conn_options import connection_options, connection_settings
-from master.cli.observability_options import bind_metrics, observability_options, observability_settings
+from master.cli.options import (
+    bind_metrics,
+    connection_options,
+    connection_settings,
+    observability_options,
+    observability_settings,
+)
 from master.service.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
-
-
-def _resolve_token(token_file: str | None) -> str:
-    """Token from --token-file (created with a random token when missing), else ELASTIC_TOKEN."""
-    if token_file:
-        if not os.path.exists(token_file):
-            token = create_token_file(token_file)
-            log.info("created token file %s (share it with every agent of the job)", token_file)
-            return token
-        if warning := loose_permissions_warning(token_file):
-            log.warning("%s", warning)
-        return read_token_file(token_file)
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV]
-    raise click.UsageError("pass --token-file PATH (created if missing) or set ELASTIC_TOKEN")
 
 
 def _check_tls(cert: str | None, key: str | None) -> None:
@@ -153,19 +136,11 @@ def cli(ctx: click.Context, **opts) -> None:
         raise click.UsageError("--job-id is required to serve a job")
     try:
         low, high = ms.parse_nnodes(opts["nnodes"])
-        job = ms.JobSettings(
+        job = job_settings_from(
+            opts,
             job_id=opts["job_id"],
             min_nodes=low,
             max_nodes=high,
-            node_unit=opts["node_unit"],
-            last_call_s=opts["last_call"],
-            join_timeout_s=opts["join_timeout"],
-            heartbeat_interval_s=opts["heartbeat_interval"],
-            heartbeat_timeout_s=opts["heartbeat_timeout"],
-            max_restarts=opts["max_restarts"],
-            straggler_factor=opts["straggler_factor"],
-            node_check=opts["node_check"],
-            node_check_factor=opts["node_check_factor"],
             flap_limit=opts["flap_limit"],
             flap_window_s=opts["flap_window"],
             flap_cooldown_s=opts["flap_cooldown"],
@@ -174,14 +149,16 @@ def cli(ctx: click.Context, **opts) -> None:
         raise click.UsageError(str(exc)) from None
     _check_tls(opts["tls_cert"], opts["tls_key"])
     try:
-        token = _resolve_token(opts["token_file"])
+        token = job_token(opts["token_file"], create=True)  # a missing --token-file is created
     except (TokenError, OSError) as exc:
         raise click.UsageError(str(exc)) from None
+    if token is None:
+        raise click.UsageError("pass --token-file PATH (created if missing) or set ELASTIC_TOKEN")
+    from master.cli.options import check_store, open_store, read_password_file
     from master.http.serving import bind_socket, serve_forever  # web stack only when serving
     from master.service.fault_hook import tick_fault_from_env
     from master.service.supervision import MasterFailure
     from master.store.base import StoreError
-    from master.store.factory import check_store, open_store, read_password_file
 
     try:
         tick_fault_s = tick_fault_from_env()  # the test hook (master/service/fault_hook.py)
@@ -278,7 +255,7 @@ def status(
     flags (straggler, node-check verdict), then the node-check figures when the job ran a check, the
     nodes whose checkpoint persists fail, with the error, and what the round waits for."""
     from elastic.control.error_table import MasterError
-    from master.cli.status_view import render_status
+    from master.cli.status import render_status
 
     if watch and as_json:
         raise click.UsageError("--watch and --json exclude each other (--json is for scripts)")
@@ -322,11 +299,7 @@ def _client(master: str, job_id: str, token_file: str | None, tls_ca: str | None
 
     try:
         addresses = parse_addresses(master)
-        token = (
-            read_token_file(token_file)
-            if token_file
-            else os.environ.get("ELASTIC_TOKEN") or derived_token(job_id)
-        )
+        token = job_token(token_file, warn_loose=False) or derived_token(job_id)
         if tls_ca:
             client_context(tls_ca)  # a bad CA file is a usage error, before any connection
     except (ValueError, TokenError) as exc:  # TLSConfigError is a ValueError
@@ -339,7 +312,7 @@ def _watch(client, interval: float) -> None:
     from rich.console import Console
 
     from elastic.control.error_table import MasterError
-    from master.cli.status_watch import watch
+    from master.cli.status import watch
 
     console = Console()
     try:

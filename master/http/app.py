@@ -12,7 +12,7 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from elastic.control.error_table import ErrorCode
@@ -53,13 +53,13 @@ from master.service.api_ops import (
     WatchQuery,
     describe_errors,
 )
-from master.service.service import MasterService, disconnected
+from master.service.service import MasterService
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-#: The secret of the node incarnation a request acts for (master.job.credentials); the job checks it. At
+#: The secret of the node incarnation a request acts for (master.job.liveness); the job checks it. At
 #: module level: FastAPI resolves the routes' (postponed) annotations in the module's namespace.
 NodeSecret = Annotated[
     str | None,
@@ -138,7 +138,7 @@ def create_app(service: MasterService) -> FastAPI:
         return _error(422, ErrorCode.INVALID_REQUEST, describe_errors(exc.errors()))
 
     @app.exception_handler(HTTPException)
-    async def _undecodable(request: Request, exc: HTTPException) -> JSONResponse:
+    async def _undecodable(request: Request, exc: HTTPException) -> Response:
         # FastAPI answers a JSON body that is not UTF-8 with a bare 400: it is malformed JSON like any other.
         if exc.status_code == 400:
             return _error(422, ErrorCode.INVALID_REQUEST, "body is not valid JSON: it is not UTF-8 text")
@@ -157,7 +157,7 @@ def create_app(service: MasterService) -> FastAPI:
     async def join(req: JoinRequest, node_secret: NodeSecret = None) -> JoinReply:
         return await api_ops.join(service, req, node_secret)
 
-    @app.get(f"{API_PREFIX}/round")
+    @app.get(f"{API_PREFIX}/round", response_model=RoundReply)
     async def next_round(
         request: Request,
         node_id: Annotated[str, Query(**NODE_ID_LIMITS)],
@@ -165,18 +165,18 @@ def create_app(service: MasterService) -> FastAPI:
         timeout: Annotated[float, Query(**TIMEOUT_LIMITS)] = DEFAULT_POLL_TIMEOUT_S,
         node_secret: NodeSecret = None,
         protocol: ClientProtocol = None,
-    ) -> RoundReply:
+    ) -> RoundReply | Response:
         query = RoundQuery.model_construct(node_id=node_id, after=after, timeout=timeout)
         reply = await api_ops.next_round(service, query, node_secret, disconnected(request))
         return for_client(reply, revision(protocol))
 
-    @app.post(f"{API_PREFIX}/heartbeat")
+    @app.post(f"{API_PREFIX}/heartbeat", response_model=CommandReply)
     async def heartbeat(
         req: HeartbeatRequest, node_secret: NodeSecret = None, protocol: ClientProtocol = None
-    ) -> CommandReply:
+    ) -> CommandReply | Response:
         return for_client(await api_ops.heartbeat(service, req, node_secret), revision(protocol))
 
-    @app.get(f"{API_PREFIX}/watch")
+    @app.get(f"{API_PREFIX}/watch", response_model=CommandReply)
     async def watch(
         request: Request,
         node_id: Annotated[str, Query(**NODE_ID_LIMITS)],
@@ -185,17 +185,17 @@ def create_app(service: MasterService) -> FastAPI:
         term: Annotated[int | None, Query(ge=0)] = None,
         node_secret: NodeSecret = None,
         protocol: ClientProtocol = None,
-    ) -> CommandReply:
+    ) -> CommandReply | Response:
         """Long-poll: returns as soon as the node must do something other than continue. ``term``: the
         term of the node's round (its assignment's); omitted by agents that predate terms."""
         query = WatchQuery.model_construct(node_id=node_id, round=round, timeout=timeout, term=term)
         reply = await api_ops.watch(service, query, node_secret, disconnected(request))
         return for_client(reply, revision(protocol))
 
-    @app.post(f"{API_PREFIX}/leave")
+    @app.post(f"{API_PREFIX}/leave", response_model=CommandReply)
     async def leave(
         req: LeaveRequest, node_secret: NodeSecret = None, protocol: ClientProtocol = None
-    ) -> CommandReply:
+    ) -> CommandReply | Response:
         return for_client(await api_ops.leave(service, req, node_secret), revision(protocol))
 
     @app.get(STREAM_PATH)
@@ -212,8 +212,8 @@ def create_app(service: MasterService) -> FastAPI:
             "(and no body)",
         )
 
-    @app.get(f"{API_PREFIX}/status")
-    async def status(protocol: ClientProtocol = None) -> JobStatus:
+    @app.get(f"{API_PREFIX}/status", response_model=JobStatus)
+    async def status(protocol: ClientProtocol = None) -> JobStatus | Response:
         return for_client(job().status(service.clock()), revision(protocol))
 
     @app.post(f"{API_PREFIX}/nodes/{{node_id}}/readmit")
@@ -234,3 +234,10 @@ def create_app(service: MasterService) -> FastAPI:
     app.state.agent_stream = StreamEndpoint(service, token, failures)
     install_openapi(app)  # every status each route can return, the bearer scheme (master/http/openapi.py)
     return app
+
+
+async def disconnected(request: Request) -> None:
+    """Return once the client of ``request`` (whose body was read) has disconnected: a long-poll's
+    ``client_gone`` (:meth:`master.service.service.MasterService.long_poll`)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

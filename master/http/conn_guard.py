@@ -7,40 +7,34 @@ connections"):
   with requests, the new one is answered ``503 busy`` and closed at once (agents retry 5xx), so connections
   never pile up unaccepted.
 - A first-request timeout: a connection that has not sent a complete request head within
-  ``header_timeout_s`` is closed. uvicorn's own keep-alive timeout starts only after a first response, so a
+  ``header_timeout_s`` is closed. The keep-alive timeout starts only after a first response, so a
   connection that never sends a request would otherwise stay forever. A request in flight (a long-poll) is
-  never cut; between two requests uvicorn's keep-alive rule applies. Under TLS the handshake, before any
-  request, gets the same time (:func:`tls_handshake_timeout`; asyncio's default is 60 s).
+  never cut; between two requests the keep-alive rule applies (master.http.connection). Under TLS the
+  handshake, before any request, gets the same time (``ssl_handshake_timeout`` of the listener,
+  master.http.serving; asyncio's default is 60 s).
 - Out-of-descriptor errors (``accept()`` failing with EMFILE, an application error with EMFILE) are logged
   at most once per :data:`master.http.rate_limits.LOG_INTERVAL_S`, with the count of suppressed ones.
 
-The cap and the timeout live in :class:`GuardedH11Protocol`, uvicorn's h11 protocol (the one uvicorn
-picks without httptools) with three hooks, passed to uvicorn as ``Config(http=...)``. It also hands the
-agent stream's upgrade (``GET /v1/stream``, master.http.stream) to its endpoint: a stream connection stays
-counted (and under the cap) until it closes, and is never closed as idle."""
+:class:`ConnectionGuard` holds the cap and the timers; the master's own connection protocol
+(master.http.connection.HttpConnection) calls it when a connection is made, when its first request head is
+parsed and when it closes. An agent stream (master.http.stream) takes its connection's place
+(:meth:`ConnectionGuard.hand_over`): it stays counted (and under the cap) until it closes, and is never
+closed as idle."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 import resource
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from typing import Any, Protocol
 
 from elastic.control.error_table import ErrorCode
 from elastic.control.protocol import ErrorBody
 from master.http.rate_limits import LogLimiter
 from master.service.settings import DEFAULT_HEADER_TIMEOUT_S
-
-if TYPE_CHECKING:
-    from master.http.stream import StreamEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -144,28 +138,46 @@ def _busy_reply(cap: int) -> bytes:
     ).encode()
 
 
+class GuardedConnection(Protocol):
+    """What the guard needs of a connection it counts: an HTTP connection (master.http.connection) or an
+    agent stream after its upgrade (master.http.stream)."""
+
+    def close(self) -> None:
+        """Close the connection now (evicted, or no request in time)."""
+
+    def shutdown(self) -> None:
+        """The server stops: close once what is in flight is answered."""
+
+
 class ConnectionGuard:
-    """The state shared by a server's connections: the cap, the first-request timeout, and the
-    connections still waiting for their first request, oldest first."""
+    """The state shared by a server's connections: the connections served now (under the cap), the
+    first-request timeout, and the connections still waiting for their first request, oldest first."""
 
     def __init__(self, cap: int, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> None:
         self.cap, self.header_timeout_s = cap, header_timeout_s
-        self._waiting: OrderedDict[GuardedH11Protocol, asyncio.TimerHandle] = OrderedDict()
+        #: Every connection served now, an agent stream included (the server shuts each down).
+        self.connections: set[GuardedConnection] = set()
+        self._waiting: OrderedDict[GuardedConnection, asyncio.TimerHandle] = OrderedDict()
         self._busy = _busy_reply(cap)
         self._log_limiter = LogLimiter()
-        #: Connections served now, and how many were closed by the guard, by reason (``/metrics``).
-        self.open = 0
+        self._emptied: asyncio.Future[None] | None = None
+        #: How many connections the guard closed, by reason (``/metrics``).
         self.closed: dict[str, int] = {"evicted": 0, "refused": 0, "timed_out": 0}
 
-    def admit(self, protocol: GuardedH11Protocol) -> bool:
+    @property
+    def open(self) -> int:
+        """Connections served now (``/metrics``)."""
+        return len(self.connections)
+
+    def admit(self, connection: GuardedConnection) -> bool:
         """Whether a new connection may be served: under the cap, or once the oldest connection without a
-        request is closed to make room. Otherwise it is answered 503 ``busy`` and closed."""
-        if len(protocol.connections) < self.cap:
+        request is closed to make room. Otherwise it is to be answered 503 ``busy`` (:meth:`refuse`)."""
+        if len(self.connections) < self.cap:
             return True
         if self._waiting:
             oldest, timer = self._waiting.popitem(last=False)
             timer.cancel()
-            oldest.transport.close()
+            oldest.close()
             self.closed["evicted"] += 1
             self._note("evicted the oldest connection that had sent no request")
             return True
@@ -173,82 +185,53 @@ class ConnectionGuard:
         self._note("answered a new connection 503 busy")
         return False
 
-    def refuse(self, transport: asyncio.Transport) -> None:
-        transport.write(self._busy)
+    def refuse(self, transport: asyncio.BaseTransport) -> None:
+        """Answer a connection :meth:`admit` refused 503 ``busy`` and close it (never counted)."""
+        if isinstance(transport, asyncio.WriteTransport):
+            transport.write(self._busy)
         transport.close()
 
-    def await_request(self, protocol: GuardedH11Protocol) -> None:
-        """Close ``protocol``'s connection unless its first request head arrives in time."""
-        timer = protocol.loop.call_later(self.header_timeout_s, self._expire, protocol)
-        self._waiting[protocol] = timer
+    def opened(self, connection: GuardedConnection) -> None:
+        """Count an admitted connection, and close it unless its first request head arrives in time."""
+        self.connections.add(connection)
+        timer = asyncio.get_running_loop().call_later(self.header_timeout_s, self._expire, connection)
+        self._waiting[connection] = timer
 
-    def request_started(self, protocol: GuardedH11Protocol) -> None:
-        timer = self._waiting.pop(protocol, None)
+    def request_started(self, connection: GuardedConnection) -> None:
+        """A whole request head arrived on ``connection``: no first-request timer, never evicted."""
+        timer = self._waiting.pop(connection, None)
         if timer is not None:
             timer.cancel()
 
-    def _expire(self, protocol: GuardedH11Protocol) -> None:
-        if self._waiting.pop(protocol, None) is not None:
+    def hand_over(self, old: GuardedConnection, new: GuardedConnection) -> None:
+        """``new`` serves the connection ``old`` served (the agent stream's upgrade): counted once."""
+        self.request_started(old)
+        self.connections.discard(old)
+        self.connections.add(new)
+
+    def release(self, connection: GuardedConnection) -> None:
+        """``connection`` closed: no longer counted."""
+        self.request_started(connection)  # forget its timer, if still waiting
+        self.connections.discard(connection)
+        if not self.connections and self._emptied is not None and not self._emptied.done():
+            self._emptied.set_result(None)
+
+    async def all_closed(self) -> None:
+        """Return once no connection is open (the server's drain)."""
+        while self.connections:
+            self._emptied = asyncio.get_running_loop().create_future()
+            await self._emptied
+
+    def _expire(self, connection: GuardedConnection) -> None:
+        if self._waiting.pop(connection, None) is not None:
             self.closed["timed_out"] += 1
-            protocol.transport.close()
+            connection.close()
 
     def _note(self, what: str) -> None:
         suppressed = self._log_limiter.admit()
         if suppressed is not None:
             more = f"; {suppressed} more such events since the last line" if suppressed else ""
             log.warning("at the connection cap (%d): %s (%s%s)", self.cap, what, DOCS_HINT, more)
-
-
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol under a :class:`ConnectionGuard` (set on the subclass :func:`guarded_protocol`
-    makes): admitted or refused when the connection is made, timed until its first request."""
-
-    guard: ConnectionGuard
-    stream: StreamEndpoint | None = None
-    _refused = False
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if not self.guard.admit(self):
-            self._refused = True  # never counted as a connection of the server
-            self.guard.refuse(transport)
-            return
-        super().connection_made(transport)
-        self.guard.open += 1
-        self.guard.await_request(self)
-
-    def data_received(self, data: bytes) -> None:
-        if self._refused:
-            return
-        super().data_received(data)
-        if self.cycle is not None:  # a complete request head arrived: the first-request timer is done
-            self.guard.request_started(self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._refused:
-            return
-        self.guard.request_started(self)  # forget its timer, if still waiting
-        self.guard.open -= 1
-        super().connection_lost(exc)
-
-    def _should_upgrade(self) -> bool:
-        # uvicorn asks on every request head. The agent stream is the only upgrade this master makes (no
-        # WebSocket: ``ws="none"``); any other request, Upgrade header or not, goes to the app as a plain
-        # request (without uvicorn's warning line per such request).
-        return self.stream is not None and self.stream.wants(self)
-
-    def handle_websocket_upgrade(self, event: h11.Request) -> None:
-        # uvicorn's hook for "switch protocols now": here always the agent stream (see _should_upgrade).
-        self.guard.request_started(self)  # a request came: no first-request timer, never evicted as idle
-        if self.stream is not None:
-            self.stream.upgrade(self)
-
-
-def guarded_protocol(
-    guard: ConnectionGuard, stream: StreamEndpoint | None = None
-) -> type[GuardedH11Protocol]:
-    """A protocol class for ``uvicorn.Config(http=...)`` whose connections share ``guard``; with
-    ``stream``, ``GET /v1/stream`` upgrades to the agent stream (master.http.stream)."""
-    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"guard": guard, "stream": stream})
 
 
 def resource_exhausted(exc: BaseException | None) -> bool:
@@ -279,8 +262,14 @@ class ResourceLogFilter(logging.Filter):
 
 #: One filter per process, shared by every master in it (an embedded master and tests start several).
 _FILTER = ResourceLogFilter()
-#: asyncio logs a failed accept(); uvicorn logs an application's unexpected error.
-_FILTERED_LOGGERS = ("asyncio", "uvicorn.error", __name__, "master.http.serving", "master.service.service")
+#: asyncio logs a failed accept(); master.http.connection an application's unexpected error.
+_FILTERED_LOGGERS = (
+    "asyncio",
+    "master.http.connection",
+    __name__,
+    "master.http.serving",
+    "master.service.service",
+)
 
 
 def install_log_filter() -> None:
@@ -299,27 +288,3 @@ def loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict[str, A
         logging.getLogger("asyncio").error(context.get("message", "out of resources"), exc_info=exc)
         return
     loop.default_exception_handler(context)
-
-
-@contextlib.contextmanager
-def tls_handshake_timeout(loop: asyncio.AbstractEventLoop, timeout_s: float) -> Iterator[None]:
-    """While in this block, TLS listeners ``loop`` creates give a handshake at most ``timeout_s``: uvicorn
-    passes no ``ssl_handshake_timeout`` to ``loop.create_server``, and a connection still in its handshake
-    has made no protocol yet, so the first-request timer cannot close it. A loop whose methods cannot be
-    wrapped (uvloop) keeps its default."""
-    original = loop.create_server
-
-    async def create_server(*args: Any, **kwargs: Any) -> asyncio.Server:
-        if kwargs.get("ssl") is not None:
-            kwargs.setdefault("ssl_handshake_timeout", timeout_s)
-        return await original(*args, **kwargs)
-
-    try:
-        loop.create_server = create_server  # type: ignore[method-assign]
-    except AttributeError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        del loop.create_server  # the class's method again

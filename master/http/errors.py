@@ -15,6 +15,7 @@ from master.job.errors import (
     SettingsMismatchError,
     UnknownNodeError,
 )
+from master.service.service import NotLeaderError
 
 #: Error class -> HTTP status; a class missing here answers 400 (and fails tests/test_node_credentials).
 HTTP_STATUS: dict[type[JobError], int] = {
@@ -24,6 +25,7 @@ HTTP_STATUS: dict[type[JobError], int] = {
     NodeExcludedError: 409,
     BadNodeSecretError: 403,
     DuplicateNodeError: 409,
+    NotLeaderError: 503,
 }
 
 

@@ -1,10 +1,10 @@
 """``GET /metrics``: the job's Prometheus metrics, built from the job's state at scrape time.
 
-A custom collector reads the job (its durable totals, :class:`master.job.stats.JobStats`, and its soft
+A custom collector reads the job (its durable totals, :class:`master.job.accounting.JobStats`, and its soft
 state) when Prometheus scrapes; nothing is updated on the request hot path except the master's own
-health counters (:mod:`master.service.health`). Every series carries ``job_id``. Per-node series are
-capped at :data:`NODE_SERIES_CAP` nodes (the most interesting ones: the stalest for heartbeat ages, the
-slowest for step times and straggler scores); job-wide aggregates cover every node, and
+health counters (:class:`master.service.service.MasterHealth`). Every series carries ``job_id``.
+Per-node series are capped at :data:`NODE_SERIES_CAP` nodes (the most interesting ones: the stalest for
+heartbeat ages, the slowest for step times and straggler scores); job-wide aggregates cover every node, and
 ``elastic_node_series_omitted`` says how many nodes the cap left out. The list with meanings:
 docs/observability.md.
 """
@@ -31,10 +31,9 @@ from prometheus_client.registry import Collector
 
 from elastic.control.error_table import ErrorCode
 from elastic.control.protocol import ErrorBody, NodeState
+from master.job.accounting import PHASES, RECOVERY_BUCKETS, Histogram
 from master.job.events import CAUSES
-from master.job.recovery_phases import PHASES
 from master.job.rendezvous import Phase
-from master.job.stats import RECOVERY_BUCKETS, Histogram
 
 METRICS_PATH = "/metrics"
 #: Most nodes that get series of their own (per metric); the rest are in the aggregates.
@@ -208,7 +207,7 @@ def _job_metrics(job: Any, job_id: str, now: float) -> Iterator[Metric]:
         hist = stats.recovery.get((phase, cause), empty)
         buckets = [(_bound(b), float(c)) for b, c in zip(RECOVERY_BUCKETS, hist.buckets, strict=True)]
         buckets.append(("+Inf", float(hist.count)))
-        recovery.add_metric([job_id, phase, cause], buckets, hist.total)
+        recovery.add_metric([job_id, phase, str(cause)], buckets, hist.total)
     yield recovery
     current = job.rdzv.current
     active = job.rdzv.phase is Phase.ACTIVE and current is not None
@@ -231,7 +230,7 @@ def _job_metrics(job: Any, job_id: str, now: float) -> Iterator[Metric]:
     yield from _gauge(
         "elastic_persisted_checkpoint_age_seconds",
         "Seconds since the newest persisted step last moved forward.",
-        now - job.persisted_at if job.persisted_at is not None else None,
+        now - job.checkpoints.persisted_at if job.checkpoints.persisted_at is not None else None,
         job_id,
     )
 
@@ -250,7 +249,7 @@ def _node_metrics(job: Any, job_id: str, now: float) -> Iterator[Metric]:
     for state, count in counts.items():
         by_state.add_metric([job_id, state], count)
     yield by_state
-    ages = {n.node_id: job.liveness.age(n.node_id, now) for n in nodes}
+    ages = {n.node_id: job.heartbeat_age(n.node_id, now) for n in nodes}
     ages = {k: v for k, v in ages.items() if v is not None}
     times = {n.node_id: n.step_time_s for n in nodes if n.step_time_s is not None}
     median = statistics.median(times.values()) if times else None

@@ -188,7 +188,7 @@ def describe(method: str, path: str, operation: dict[str, Any] | None = None) ->
     job route asks the leading job)."""
     row = OPERATIONS.get((method, path))
     if row is None:
-        takes_input = bool(operation) and (
+        takes_input = operation is not None and (
             "requestBody" in operation
             or any(p.get("in") in ("query", "path") for p in operation.get("parameters", []))
         )

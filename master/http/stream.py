@@ -3,13 +3,14 @@ round, heartbeat, watch, leave) as newline-delimited JSON frames, multiplexed (d
 agent stream").
 
 An agent opens it with ``GET /v1/stream`` and ``Connection: Upgrade``, ``Upgrade: elastic-stream/1``
-(RFC 9110 §7.8). uvicorn's h11 protocol (master.http.conn_guard.GuardedH11Protocol) hands such a request to
-:meth:`StreamEndpoint.upgrade`, which checks it by the gate's own rule (master.http.gatekeeper.check_access:
-401, 429, 409, each a whole HTTP response that closes the connection), refuses it 503 ``not_leader`` on a
-master that does not lead, and otherwise answers ``101 Switching Protocols`` and gives the connection to a
-:class:`StreamConnection`. No web framework is on this path: a heartbeat is decoded, validated, applied
-and answered inline in the read callback (a task only when the store must be waited for); long-polls and
-the other calls run as tasks and are answered when done, in any order (the reply carries the call's id).
+(RFC 9110 §7.8). The master's HTTP connection (master.http.connection.HttpConnection) hands such a
+request to :meth:`StreamEndpoint.upgrade`, which checks it by the gate's own rule
+(master.http.gatekeeper.check_access: 401, 429, 409, each a whole HTTP response that closes the
+connection), refuses it 503 ``not_leader`` on a master that does not lead, and otherwise answers ``101
+Switching Protocols`` and gives the connection to a :class:`StreamConnection`. No web framework is on
+this path: a heartbeat is decoded, validated, applied and answered inline in the read callback (a task
+only when the store must be waited for); long-polls and the other calls run as tasks and are answered
+when done, in any order (the reply carries the call's id).
 
 Every call answers as its HTTP route does (master.service.api_ops holds the logic of both): the same status,
 the same :class:`~elastic.control.protocol.ErrorBody` codes, 422 ``invalid_request`` naming the field, and the
@@ -27,7 +28,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import h11
 from pydantic import BaseModel, ValidationError
 
 from elastic.control.error_table import ErrorCode
@@ -42,6 +42,7 @@ from elastic.control.protocol import (
     JoinRequest,
     LeaveRequest,
 )
+from master.http.conn_guard import ConnectionGuard
 from master.http.errors import ApiError, http_status
 from master.http.gatekeeper import check_access, http_response, refusal_response
 from master.http.rate_limits import PeerFailureLimiter
@@ -62,18 +63,23 @@ def _error(code: str, message: str) -> bytes:
 
 
 class UpgradingConnection(Protocol):
-    """What the stream needs of the HTTP connection that asks for it
-    (master.http.conn_guard.GuardedH11Protocol,
-    uvicorn's h11 protocol): the parsed request, the h11 state, the transport and the server's books."""
+    """What the stream needs of the HTTP connection that asks for it (master.http.connection.HttpConnection):
+    the parsed request, the bytes read past it, the transport and the guard that counts the connection."""
 
     scope: Any
     headers: list[tuple[bytes, bytes]]  # names lower-cased
-    conn: h11.Connection
-    transport: asyncio.Transport
+    transport: asyncio.Transport | None
     client: tuple[str, int] | None
-    server: tuple[str, int | None] | None
-    connections: set[Any]  # uvicorn's open connections (the guard's cap counts them)
-    guard: Any  # master.http.conn_guard.ConnectionGuard (``open``: the connections counted)
+    server: tuple[str, int] | None
+    guard: ConnectionGuard
+
+    def take_trailing(self) -> bytes:
+        """The bytes that followed the request (the stream's first frames, if any)."""
+        ...
+
+    def close(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 class StreamEndpoint:
@@ -96,7 +102,7 @@ class StreamEndpoint:
         if port is not None and (protocol.server or (None, None))[1] == port:
             return False
         upgrade, connection = b"", False
-        for name, value in protocol.headers:  # names lower-cased by uvicorn
+        for name, value in protocol.headers:  # names lower-cased by h11
             if name == b"upgrade":
                 upgrade = value.strip().lower()
             elif name == b"connection":
@@ -109,12 +115,8 @@ class StreamEndpoint:
         """Answer the upgrade ``protocol`` parsed (:meth:`wants`): a refusal that closes the connection, or
         101 and a :class:`StreamConnection` from then on, fed the bytes h11 had read past the request."""
         transport = protocol.transport
-        conn = protocol.conn
-        while True:  # past the request's end: h11 pauses there and keeps what followed it
-            event = conn.next_event()
-            if event is h11.PAUSED or event is h11.NEED_DATA:
-                break
-        trailing, _ = conn.trailing_data
+        assert transport is not None
+        trailing = protocol.take_trailing()
         headers = dict(protocol.headers)
         peer = (protocol.client or ("",))[0]
         refusal = check_access(headers, peer, self.token, self.job_id, self.failures)
@@ -131,12 +133,11 @@ class StreamEndpoint:
         # idle stream to every master, so that a takeover meets no reconnect storm (docs/protocol.md).
         transport.write(SWITCHING)
         client_revision = revision(headers.get(_PROTOCOL_HEADER, b"").decode(errors="replace"))
-        stream = StreamConnection(self, transport, client_revision, protocol.connections, protocol.guard)
-        protocol.connections.discard(protocol)
-        protocol.connections.add(stream)  # uvicorn's set: under the guard's cap, shut down with the server
+        stream = StreamConnection(self, transport, client_revision, protocol.guard)
+        protocol.guard.hand_over(protocol, stream)  # counted once, under the cap, shut down with the server
         transport.set_protocol(stream)
         if trailing:
-            stream.data_received(bytes(trailing))
+            stream.data_received(trailing)
 
 
 @dataclass
@@ -157,12 +158,11 @@ class StreamConnection(asyncio.Protocol):
         endpoint: StreamEndpoint,
         transport: asyncio.Transport,
         client_revision: int,
-        connections: set[Any],
-        guard: Any,
+        guard: ConnectionGuard,
     ) -> None:
         self.endpoint, self.service = endpoint, endpoint.service
         self.transport, self.revision = transport, client_revision
-        self._connections, self._guard = connections, guard
+        self._guard = guard
         self._buffer = b""
         self._pending: dict[int, _Pending] = {}
         self._closing = False  # the server shuts down: close once the pending calls are answered
@@ -199,8 +199,7 @@ class StreamConnection(asyncio.Protocol):
             call.task.cancel()
             if call.node_id is not None:  # a long-poll whose client went away, as over HTTP
                 api_ops.lost(self.service, call.node_id, call.secret)
-        self._connections.discard(self)
-        self._guard.open -= 1
+        self._guard.release(self)
 
     def pause_writing(self) -> None:
         # The peer reads no replies: read no more calls until it does (the write buffer stays bounded).
@@ -209,9 +208,13 @@ class StreamConnection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self.transport.resume_reading()
 
+    def close(self) -> None:
+        """Close the stream now."""
+        self.transport.close()
+
     def shutdown(self) -> None:
-        """The server shuts down (uvicorn calls this on each connection): close once every pending call is
-        answered (after the step-down, long-polls answer 503 ``not_leader`` at once)."""
+        """The server shuts down (master.http.serving calls this on each connection): close once every
+        pending call is answered (after the step-down, long-polls answer 503 ``not_leader`` at once)."""
         self._closing = True
         if not self._pending:
             self.transport.close()
@@ -316,7 +319,7 @@ class StreamConnection(asyncio.Protocol):
         req = _validate(HeartbeatRequest, body)
         if (
             self.service.holds_calls()
-        ):  # a standby: held until it leads, or briefly (master.service.standby_hold)
+        ):  # a standby: held until it leads, or briefly (master.service.waiting)
             return self._spawn(call_id, lambda: api_ops.heartbeat(self.service, req, secret))
         reply = api_ops.beat(self.service, req, secret)
         if self.service.holds_current_state():  # the steady case: answered here, no task

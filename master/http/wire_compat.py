@@ -11,7 +11,7 @@ round); clients of revision 2 or older require it, so they still get it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi.responses import Response
 from pydantic import BaseModel
@@ -31,6 +31,8 @@ LEFT_OUT_SINCE_REVISION_3: dict[type[BaseModel], Any] = {
     RoundReply: {"assignment": {"members"}},
 }
 
+Reply = TypeVar("Reply", bound=BaseModel)
+
 
 def _left_out(reply_type: type[BaseModel], client_revision: int) -> Any:
     """The ``exclude`` spec of a reply to a client of ``client_revision`` (None: the whole model)."""
@@ -49,7 +51,7 @@ def revision(header: str | None) -> int:
         return 1
 
 
-def for_client(reply: BaseModel, client_revision: int) -> BaseModel | Response:
+def for_client(reply: Reply, client_revision: int) -> Reply | Response:
     """``reply`` as the client of ``client_revision`` (at most :data:`PROTOCOL_VERSION`) gets it: without
     the fields its revision lacks, or (current clients) those the current revision leaves out."""
     left_out = _left_out(type(reply), min(client_revision, PROTOCOL_VERSION))

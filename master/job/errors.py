@@ -34,7 +34,7 @@ class NodeExcludedError(JobError):
 
 
 class BadNodeSecretError(JobError):
-    """A request for a known node without that node's current secret (master.job.credentials)."""
+    """A request for a known node without that node's current secret (master.job.liveness)."""
 
     code = ErrorCode.BAD_NODE_SECRET
 

@@ -1,6 +1,6 @@
 """Flapping nodes: count each node id's membership losses in a sliding window, exclude one that loses its
 place more than ``limit`` times in it, re-admit it after a cool-down or by an operator. Pure: no I/O, time
-is ``now`` (the master's clock, which reads Unix time: :mod:`master.service.clock`).
+is ``now`` (the master's clock, which reads Unix time: :func:`master.service.service.unix_monotonic`).
 
 A *loss* (a flap) is a dead verdict for the id, or a new agent replacing the id's previous one before the
 master declared it dead (its agent restarted). A node that is not a member of the running round still

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from elastic.control.protocol import NodeCheckResult, describe_figures, format_ms
+from master.job.events import EventKind
 
 #: Stages where a failure is the node's own (the others are collectives that a broken peer also breaks).
 COLLECTIVE_STAGES = frozenset({"init", "pairing", "allreduce"})
@@ -108,12 +109,12 @@ class NodeCheck:
     def complete(self, members: list[str]) -> bool:
         return not self.done and bool(members) and all(m in self.results for m in members)
 
-    def decide(self, members: list[str]) -> list[tuple[str, str]]:
+    def decide(self, members: list[str]) -> list[tuple[EventKind, str]]:
         """Judge the members' results; record verdicts and exclusions; return event lines (kind, message)."""
         results = {m: self.results[m] for m in members if m in self.results}
         self.verdicts = judge(results, self.factor)
         self.done = True
-        events = []
+        events: list[tuple[EventKind, str]] = []
         for node_id in members:
             verdict = self.verdicts.get(node_id)
             if verdict is None:
@@ -121,18 +122,24 @@ class NodeCheck:
             figures = describe_figures(results[node_id])
             if not verdict.bad:
                 note = f" ({verdict.reason})" if verdict.reason else ""
-                events.append(("node_check", f"node check: node {node_id} ok: {figures}{note}"))
+                events.append((EventKind.NODE_CHECK, f"node check: node {node_id} ok: {figures}{note}"))
             elif self.mode == "on":
                 self.excluded[node_id] = (
                     f"node {node_id} was excluded from the job by the node check ({verdict.describe()}; "
                     f"{figures}); the job goes on without it"
                 )
                 events.append(
-                    ("node_excluded", f"node check: node {node_id} excluded: {verdict.describe()}; {figures}")
+                    (
+                        EventKind.NODE_EXCLUDED,
+                        f"node check: node {node_id} excluded: {verdict.describe()}; {figures}",
+                    )
                 )
             else:
                 events.append(
-                    ("node_check", f"node check: node {node_id} {verdict.describe()}; {figures} (warn only)")
+                    (
+                        EventKind.NODE_CHECK,
+                        f"node check: node {node_id} {verdict.describe()}; {figures} (warn only)",
+                    )
                 )
         return events
 

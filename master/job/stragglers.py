@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from elastic.control.protocol import WorkerProgress
+from master.job.events import EventKind
 
 #: A flagged node is cleared only once its pace is below this fraction of the threshold.
 CLEAR_RATIO = 0.9
@@ -40,7 +41,7 @@ NO_PACE = Pace(None)
 
 def node_pace(workers: Iterable[WorkerProgress]) -> Pace:
     """A node's pace from its workers' reports: the slowest worker's figures. Computed once per heartbeat
-    (:attr:`master.job.node_info.NodeInfo.pace`), so a single pass."""
+    (:attr:`master.job.progress.NodeInfo.pace`), so a single pass."""
     step = compute = None
     for w in workers:
         if w.step_time_s is not None and (step is None or w.step_time_s > step):
@@ -93,21 +94,21 @@ class StragglerTracker:
         self.factor = factor
         self.flagged: frozenset[str] = frozenset()
 
-    def update(self, paces: Mapping[str, Pace]) -> list[tuple[str, str]]:
+    def update(self, paces: Mapping[str, Pace]) -> list[tuple[EventKind, str]]:
         """Judge the nodes' current paces; one event per node that became or stopped being a straggler.
 
         A flagged node that has no figure any more (a new round started, or it left) is dropped silently:
         there is nothing measured to report about it.
         """
         result = assess(paces, self.factor, self.flagged)
-        events: list[tuple[str, str]] = []
+        events: list[tuple[EventKind, str]] = []
         if result.median_s is not None:
             median, count = result.median_s, len(result.times)
             for node_id in sorted(result.flagged - self.flagged):
                 t = result.times[node_id]
                 events.append(
                     (
-                        "straggler",
+                        EventKind.STRAGGLER,
                         f"node {node_id} is a straggler: {result.metric} {t:.3f}s per step, "
                         f"{t / median:.1f}x the median {median:.3f}s of {count} nodes "
                         f"(--straggler-factor {self.factor:g})",
@@ -117,7 +118,7 @@ class StragglerTracker:
                 t = result.times[node_id]
                 events.append(
                     (
-                        "straggler_cleared",
+                        EventKind.STRAGGLER_CLEARED,
                         f"node {node_id} is no longer a straggler: {result.metric} {t:.3f}s per step, "
                         f"median {median:.3f}s of {count} nodes",
                     )

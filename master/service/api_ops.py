@@ -5,8 +5,8 @@ errors.
 
 The caller validates the request models and the query (:class:`RoundQuery`, :class:`WatchQuery` say the
 limits both use) and turns the exceptions into replies: :class:`master.job.errors.JobError` (status from
-:func:`master.http.errors.http_status`), :class:`master.http.errors.ApiError` (503 ``not_leader``). A
-long-poll takes ``client_gone``, an awaitable done when its client disconnected (see
+:func:`master.http.errors.http_status`; :class:`master.service.service.NotLeaderError` is 503 ``not_leader``).
+A long-poll takes ``client_gone``, an awaitable done when its client disconnected (see
 :meth:`MasterService.long_poll`). Replies are the full models: the caller applies
 :mod:`master.http.wire_compat` for the client's revision."""
 
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from elastic.control.protocol import (
     LONG_POLL_CAP_S,
+    Command,
     CommandReply,
     HeartbeatRequest,
     JobInfo,
@@ -132,7 +133,7 @@ async def next_round(
     )
     if reply is not None:
         return reply
-    return await stored(service, RoundReply(status="waiting", round=service.leading_job().rdzv.round))
+    return await stored(service, RoundReply(status="waiting", round=service.leading_job().round))
 
 
 def beat(service: MasterService, req: HeartbeatRequest, node_secret: str | None) -> CommandReply:
@@ -150,7 +151,7 @@ async def heartbeat(service: MasterService, req: HeartbeatRequest, node_secret: 
 
 
 async def held(service: MasterService) -> None:
-    """A standby holds a joined node's call until it leads, or briefly (master.service.standby_hold)."""
+    """A standby holds a joined node's call until it leads, or briefly (master.service.waiting)."""
     if service.holds_calls():
         await service.standby_hold.wait()
 
@@ -169,7 +170,7 @@ async def watch(
 
     def probe() -> CommandReply | None:
         reply = service.leading_job().watch(node_id, round_, node_secret, term)
-        return None if reply.command.value == "continue" else reply
+        return None if reply.command is Command.CONTINUE else reply
 
     reply = await service.long_poll(
         probe, query.timeout, client_gone, lambda: lost(service, node_id, node_secret), key=node_id

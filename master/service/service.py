@@ -2,7 +2,18 @@
 reply reveals it, wake-ups of long-polls) and stands by otherwise. The HTTP routes (master.http.app) call it.
 
 All job state is touched only from the event loop thread, so no lock is needed. Background tasks are
-supervised (master.service.supervision): a crash resigns the leadership and exits non-zero."""
+supervised (master.service.supervision): a crash resigns the leadership and exits non-zero.
+
+The master's clock (:func:`unix_monotonic`) is monotonic, but reads Unix time: job state machines take
+``now`` from it. It never jumps (a wall-clock step does not expire heartbeats or stretch a recovery), yet its
+readings are Unix times, so the job's event times read as dates in the event log, agree with Prometheus'
+sample times, and stay comparable after a failover to a master on another host (to the precision of the
+hosts' wall clocks).
+
+The process's own health figures (:class:`MasterHealth`: heartbeats received, long-polls open, store write
+latency) are counted here with one cheap update each and exported by :mod:`master.http.metrics`. They belong
+to this process: a restarted or new master starts them from zero (Prometheus' ``rate()`` handles that),
+unlike the job's totals, which are stored with the job."""
 
 from __future__ import annotations
 
@@ -12,30 +23,27 @@ import logging
 import random
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
-
-from fastapi import Request
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from elastic.control.error_table import ErrorCode
 from elastic.control.protocol import (
     LONG_POLL_CAP_S,
 )
 from elastic.text import printable
-from master.http.errors import ApiError
+from master.job.errors import JobError
 from master.job.job import Job
-from master.job.wait_reason import ReasonLog
-from master.service.clock import unix_monotonic
+from master.job.snapshot import describe as describe_unreadable
+from master.job.views import ReasonLog
 from master.service.event_log import EventLog
 from master.service.fault_hook import InjectedFault
 from master.service.gc_pacing import GcPacer
-from master.service.health import MasterHealth
 from master.service.settings import ServerSettings
-from master.service.standby_hold import StandbyHold, hold_seconds
 from master.service.supervision import MasterFailure, Supervisor
-from master.service.wakeups import Notifier
+from master.service.waiting import Notifier, StandbyHold, hold_seconds
 from master.store.base import MemoryStore, StateFormatError, StateStore, StoreError
-from master.store.state_schema import describe as describe_unreadable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,6 +56,64 @@ MAX_SAVE_REST_S = 0.5
 LONG_POLL_SPREAD = 0.25
 #: Longest wait for the last save of a master that steps down (etcd slow or gone: the lease still goes).
 FINAL_SAVE_S = 2.0
+#: Seconds over which :meth:`MasterHealth.heartbeats_per_second` averages.
+RATE_WINDOW_S = 10.0
+
+
+def unix_monotonic() -> Callable[[], float]:
+    """The master's clock: ``time.monotonic()`` plus the offset to ``time.time()`` taken once, now."""
+    offset = time.time() - time.monotonic()
+    return lambda: time.monotonic() + offset
+
+
+@dataclass
+class MasterHealth:
+    """This master process's own figures (not the job's); see the module docstring."""
+
+    heartbeats: int = 0
+    long_polls_open: int = 0
+    store_writes: int = 0
+    store_write_seconds: float = 0.0  # sum over all writes
+    store_write_last_s: float | None = None
+    _marks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=64))
+
+    def heartbeat(self, now: float) -> None:
+        self.heartbeats += 1
+        if not self._marks or now - self._marks[-1][0] >= 1.0:  # one mark a second bounds the work
+            self._marks.append((now, self.heartbeats))
+
+    def heartbeats_per_second(self, now: float) -> float:
+        """Heartbeats received per second over about the last :data:`RATE_WINDOW_S` seconds."""
+        while len(self._marks) > 1 and now - self._marks[1][0] >= RATE_WINDOW_S:
+            self._marks.popleft()
+        if not self._marks:
+            return 0.0
+        since, count = self._marks[0]
+        span = now - since
+        return (self.heartbeats - count) / span if span > 0 else 0.0
+
+    def store_write(self, seconds: float) -> None:
+        self.store_writes += 1
+        self.store_write_seconds += seconds
+        self.store_write_last_s = seconds
+
+
+class ConnectionFigures(Protocol):
+    """What ``/metrics`` reads of the server's connection guard (master.http.conn_guard.ConnectionGuard)."""
+
+    @property
+    def open(self) -> int: ...
+    @property
+    def cap(self) -> int: ...
+    @property
+    def closed(self) -> dict[str, int]: ...
+
+
+class NotLeaderError(JobError):
+    """This master does not lead the job (a standby, or it stepped down or lost its lease): the client asks
+    another master (HTTP 503, master.http.errors)."""
+
+    code = ErrorCode.NOT_LEADER
 
 
 async def _wait_for(ticket: asyncio.Event, timeout: float) -> None:
@@ -67,7 +133,7 @@ class MasterService:
     ) -> None:
         """``tick_fault_s``: the test hook of master.service.fault_hook (the tick fails after leading that
         long)."""
-        # event times read as Unix times (master.service.clock)
+        # event times read as Unix times (unix_monotonic)
         self.settings = settings
         self.clock = clock or unix_monotonic()
         self.health = MasterHealth()  # this process's own figures, for /metrics
@@ -85,7 +151,6 @@ class MasterService:
         #: master.service.gc_pacing).
         self.gc_pacer: GcPacer | None = None
         self._dirty: asyncio.Event | None = None
-        self._lost: asyncio.Event | None = None
         self._saved_version = -1  # the current job's version that the store holds (see stored())
         self._saved: asyncio.Event | None = None  # set (and replaced) after each save
         self._reasons = ReasonLog(log)  # the round's waiting reason, logged when it changes
@@ -97,6 +162,8 @@ class MasterService:
         self._stepping_down: asyncio.Task | None = None
         #: Called once when a supervised task failed (the server then exits); see :attr:`failure`.
         self.on_failure: Callable[[], None] | None = None
+        #: The serving server's connection guard, for its figures on /metrics (None when not served).
+        self.connection_guard: ConnectionFigures | None = None
         self.supervisor = Supervisor(self._failed)
 
     @property
@@ -160,13 +227,11 @@ class MasterService:
         # ``store.leading`` turns false as soon as the lease may have expired, before the store's lease
         # task notices: a leader frozen past its lease serves nothing stale once it runs again.
         if self.job is None or not self.store.leading or self.stopping:
-            raise ApiError(
-                503, ErrorCode.NOT_LEADER, f"master {self.master_id} is a standby; ask another master"
-            )
+            raise NotLeaderError(f"master {self.master_id} is a standby; ask another master")
         return self.job
 
     def changed(self) -> None:
-        """Call after every mutation: carry out its effects (master.job.effects): log its events, have
+        """Call after every mutation: carry out its effects (master.job.events.Effects): log its events, have
         durable changes persisted, wake the long-polls whose answer may have changed."""
         job = self.job
         if job is None:
@@ -202,21 +267,14 @@ class MasterService:
         job = self.job
         if last is None or job is None or now - last <= STALL_S:
             return
-        stalled = now - last
-        job.liveness.excuse(stalled)
-        job.record(
-            now,
-            "master_stalled",
-            f"master {self.master_id} did not run for {stalled:.1f}s (CPU starved, stopped or paused): "
-            "heartbeat ages extended by that much",
-        )
+        job.excuse_stall(now - last, now)
 
     async def run(self) -> None:
         """Lead the job whenever elected; tick and persist while leading; stand by otherwise."""
-        self._dirty = asyncio.Event()
+        dirty = self._dirty = asyncio.Event()
         while True:
-            self._lost = asyncio.Event()
-            await self.store.campaign(self.master_id, self._lost.set)
+            lost = asyncio.Event()  # this term's: set once its leadership is lost
+            await self.store.campaign(self.master_id, lost.set)
             try:
                 snapshot = await self.store.load()
             except StateFormatError:
@@ -249,9 +307,9 @@ class MasterService:
             spawn = self.supervisor.spawn
             self._term_tasks = [
                 spawn(self._tick_forever(), "tick"),
-                spawn(self._persist_forever(), "persist"),
+                spawn(self._persist_forever(dirty, lost), "persist"),
             ]
-            await self._lost.wait()
+            await lost.wait()
             for task in self._term_tasks:
                 task.cancel()
             log.warning(
@@ -279,11 +337,12 @@ class MasterService:
             self.tick()
             await asyncio.sleep(period)
 
-    async def _persist_forever(self) -> None:
-        """Write the newest snapshot after changes (coalesced: bursts cost one write)."""
+    async def _persist_forever(self, dirty: asyncio.Event, lost: asyncio.Event) -> None:
+        """Write the newest snapshot after changes (coalesced: bursts cost one write: ``dirty``); a failed
+        write sets this term's ``lost``."""
         while True:
-            await self._dirty.wait()
-            self._dirty.clear()
+            await dirty.wait()
+            dirty.clear()
             if self.job is None:
                 continue
             job, version = self.job, self.job.version  # the version of the snapshot taken just below
@@ -294,7 +353,7 @@ class MasterService:
                 log.error(
                     "cannot persist job state (%s); stepping down so that no master serves stale state", exc
                 )
-                self._lost.set()
+                lost.set()
                 continue
             took = time.perf_counter() - began
             self.health.store_write(took)
@@ -346,7 +405,7 @@ class MasterService:
         while self._saved_version < target:
             if self.job is not job or not self.store.leading:
                 why = f"master {self.master_id} stopped leading; ask another master"
-                raise ApiError(503, ErrorCode.NOT_LEADER, why)
+                raise NotLeaderError(why)
             await _wait_for(self._saved_ticket(), 1.0)  # bounded: a lost leadership sets no ticket
 
     async def long_poll(
@@ -359,10 +418,10 @@ class MasterService:
     ) -> T | None:
         """Return ``probe()`` as soon as it is not None, or None after ``timeout`` (capped, and up to a
         quarter shorter: :func:`spread`); ``key`` (a node
-        id): only changes that concern that node, or everyone, wake the poll (master.service.wakeups). With
+        id): only changes that concern that node, or everyone, wake the poll (master.service.waiting). With
         ``client_gone`` (an awaitable of this poll's own, done once the client has disconnected, e.g.
-        :func:`disconnected`; cancelled when the poll ends), a client that disconnects ends the poll at
-        once and ``on_client_gone`` is called."""
+        ``master.http.app.disconnected``; cancelled when the poll ends), a client that disconnects ends the
+        poll at once and ``on_client_gone`` is called."""
         deadline = self.clock() + spread(min(max(timeout, 0.0), LONG_POLL_CAP_S))
         gone = asyncio.ensure_future(client_gone) if client_gone is not None else None
         self.health.long_polls_open += 1
@@ -377,7 +436,8 @@ class MasterService:
                 if remaining <= 0:
                     return None
                 change = asyncio.ensure_future(_wait_for(ticket, remaining))
-                await asyncio.wait({change, gone} - {None}, return_when=asyncio.FIRST_COMPLETED)
+                waiting = {change} if gone is None else {change, gone}
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if gone is not None and gone.done():
                     change.cancel()
                     if on_client_gone is not None:
@@ -395,8 +455,3 @@ def spread(timeout: float) -> float:
     same instant, every time (10,000 renewals at once delayed heartbeats by 300 ms)."""
     return timeout * (1.0 - LONG_POLL_SPREAD * random.random()) if timeout >= 1.0 else timeout
 
-
-async def disconnected(request: Request) -> None:
-    """Return once the client of ``request`` (whose body was read) has disconnected."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -2,7 +2,8 @@
 
 Promises: one store interface (``base.StateStore``) with ``MemoryStore`` for a standalone master and
 ``EtcdStore`` (etcd, one leader per job by a lease, writes only what changed: ``etcd_layout``) for a master
-with standbys; ``factory`` opens the store a ``--store`` URL names and imports the etcd client only then.
+with standbys; ``base.open_store`` opens the store a ``--store`` URL names and imports the etcd client only
+then.
 
 Raises: ``base.StoreError`` and its kinds (lost leadership, unreachable store, unreadable schema).
 

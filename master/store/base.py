@@ -2,7 +2,8 @@
 
 :class:`StateStore` is the one interface the server talks to. :class:`MemoryStore` keeps nothing
 across restarts and is always the leader (standalone default). ``EtcdStore`` (``master/store/etcd_store.py``)
-keeps the snapshot under ``/elastic/<job>/`` and elects one leader with an etcd lease.
+keeps the snapshot under ``/elastic/<job>/`` and elects one leader with an etcd lease. Which one a master
+uses is the ``--store`` option's (:func:`master.cli.options.open_store`).
 """
 
 from __future__ import annotations
@@ -62,10 +63,6 @@ class StateStore(abc.ABC):
         """Where the job state lives, for error messages (an etcd key names itself)."""
         return "memory"
 
-    async def leader_hint(self) -> str | None:
-        """The current leader's candidate string, when known (for redirects)."""
-        return None
-
     async def close(self) -> None:  # noqa: B027 - optional hook, a no-op for in-process stores
         """Resign leadership (if held) and disconnect."""
 
@@ -86,3 +83,4 @@ class MemoryStore(StateStore):
 
     async def save(self, snapshot: Snapshot) -> None:
         self._snapshot = snapshot
+

@@ -24,7 +24,15 @@ finds its lease or leader key gone, steps down: ``on_lost`` is called once and t
 until it wins a new campaign. The campaign retries while etcd is unreachable, reconnecting (to the next
 endpoint when several are given), so a master recovers by itself once etcd is back.
 
-Only the ``master/etcd_*.py`` modules import the etcd client; ``master.store.factory`` imports them lazily.
+Only the ``master/store/etcd_*.py`` modules import the etcd client; :func:`master.store.base.open_store`
+imports them lazily.
+
+The election, the load and the saves run on a :class:`SideLoop`, a second asyncio loop on its own thread, so
+that they never queue behind the agents. The master serves every agent on its main loop. A standby that
+takes over a job of 10,000 nodes meets all of them reconnecting at once, while its election (a few etcd
+calls) and its reading of the job's state (thousands of records) are what decides when it can answer them;
+on the main loop those calls waited behind the refusals it was still sending. Coroutines run there share
+only the GIL with the main loop.
 """
 
 from __future__ import annotations
@@ -33,13 +41,14 @@ import asyncio
 import contextlib
 import logging
 import math
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 import aetcd
 
 from elastic.control.tls import speaks_tls
-from master.service.side_loop import SideLoop
 from master.store import etcd_client as ec
 from master.store.base import Snapshot, StateFormatError, StateStore, StoreError
 from master.store.etcd_lease import LeaseKeeper
@@ -47,6 +56,7 @@ from master.store.etcd_state import StateRecords
 from master.store.etcd_term import EtcdTerm
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Seconds the first read of :meth:`EtcdStore.start` may take before etcd counts as unreachable.
 START_TIMEOUT_S = 3.0
@@ -170,7 +180,7 @@ class EtcdStore(EtcdTerm, StateStore):
     async def campaign(self, candidate: str, on_lost: Callable[[], Awaitable[None] | None]) -> None:
         """Block until this master holds the leader key; retries while etcd is unreachable.
 
-        The election runs on the side loop (``master/service/side_loop.py``): a standby meeting a reconnect
+        The election runs on the side loop (:class:`SideLoop`): a standby meeting a reconnect
         storm must not queue its etcd calls behind it."""
         await self._resign()
         lease_id, ttl, revision, granted_at = await self._side.run(self._win(candidate))
@@ -295,13 +305,6 @@ class EtcdStore(EtcdTerm, StateStore):
     def state_location(self) -> str:
         return f"etcd key {self.state_key.decode()} at {self.endpoint}"
 
-    async def leader_hint(self) -> str | None:
-        try:
-            kv = await self._connect().get(self.leader_key)
-        except (aetcd.ClientError, *ec.TRANSIENT):
-            return None
-        return None if kv is None else kv.value.decode(errors="replace")
-
     async def close(self) -> None:
         """Revoke the lease (a standby takes over at once), stop renewing it, disconnect. Idempotent."""
         if self._closed:
@@ -314,3 +317,56 @@ class EtcdStore(EtcdTerm, StateStore):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.close(), 2.0)
         self._clients.clear()
+
+class SideLoop:
+    """An event loop on a daemon thread, started on first use; :meth:`aclose` stops and joins it."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The side loop, once started."""
+        return self._loop
+
+    def _started(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=loop.run_forever, name=self._name, daemon=True)
+            self._thread.start()
+            self._loop = loop
+        return self._loop
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the side loop and await its result here; cancelling this cancels it there."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._started()))
+
+    async def aclose(
+        self, last: Callable[[], Awaitable[object]] | None = None, timeout_s: float = 5.0
+    ) -> None:
+        """Cancel what still runs on the side loop and wait for it to finish, then run ``last()`` there
+        (closing what those tasks used), stop the loop and join the thread."""
+        loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is None or thread is None:
+            return
+
+        async def cancel_the_rest() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if last is not None:
+                await last()
+
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                asyncio.wrap_future(asyncio.run_coroutine_threadsafe(cancel_the_rest(), loop)), timeout_s
+            )
+        loop.call_soon_threadsafe(loop.stop)
+        deadline = time.monotonic() + timeout_s
+        while thread.is_alive() and time.monotonic() < deadline:  # no executor thread just to join one
+            await asyncio.sleep(0.005)
+        if not thread.is_alive():
+            loop.close()

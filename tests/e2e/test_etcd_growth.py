@@ -1,4 +1,4 @@
-"""A short bench/etcd_growth.py (issue 15, check 5): a real etcd, a real master, 20 and 200 fake nodes,
+"""A short bench/etcd_growth.py: a real etcd, a real master, 20 and 200 fake nodes,
 five membership changes each. etcd's state stays bounded: every value small, the database small, steady
 heartbeats write nothing; and a change at 200 nodes should write at most 1.5 times what it writes at 20."""
 

@@ -189,9 +189,9 @@ def test_through_the_proxy_a_master_needs_its_etcd_user_and_reaches_only_its_job
 
 @pytest.mark.timeout(10)
 def test_the_store_url_names_the_etcd_user_and_the_password_comes_from_its_file() -> None:
+    from master.cli.options import open_store
     from master.store.base import StoreError
     from master.store.etcd_store import EtcdStore
-    from master.store.factory import open_store
 
     store = open_store("etcd://elastic-master@127.0.0.1:23790,127.0.0.1:23791", "j", password="pw")
     assert isinstance(store, EtcdStore)

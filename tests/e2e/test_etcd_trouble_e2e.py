@@ -1,4 +1,4 @@
-"""etcd in trouble while a job trains (issue 15, check 4): real etcd, two real ``elastic-master`` daemons on
+"""etcd in trouble while a job trains: real etcd, two real ``elastic-master`` daemons on
 it, real ``elastic-run`` agents as fake nodes (``--nproc-per-node 1``) and real gloo workers.
 
 * etcd frozen (SIGSTOP) for 5 s after a third node's join request reached the leader and before its
@@ -56,7 +56,7 @@ STEP_DOWN_LIMIT_S = LEASE_TTL_S + 7.0
 
 #: ``round N: node rank R of K, ..., term T`` (agent/executor/loop.py, one line per assignment).
 ASSIGNED = re.compile(r"round (\d+): node rank (\d+) of (\d+), .*, term (\d+)$", re.M)
-#: The leader's ``round_closed`` event (master/job/round_flow.py).
+#: The leader's ``round_closed`` event (master/job/job.py).
 CLOSED = re.compile(r"^round (\d+) closed: \d+ nodes, world size \d+, members (.*?) \(term (\d+)\)")
 
 Round = tuple[int, int]  # (term, number)

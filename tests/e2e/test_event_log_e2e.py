@@ -1,4 +1,4 @@
-"""The event log of a real job that loses a worker and then a whole node (issue 19, check 5).
+"""The event log of a real job that loses a worker and then a whole node.
 
 Two fake nodes (agents with real workers) under a real ``elastic-master --event-log``: a worker of node a
 is SIGKILLed, then node b dies (its agent and workers SIGKILLed), and the job finishes on node a. The
@@ -175,7 +175,7 @@ def test_a_worker_kill_and_a_node_loss_are_in_the_event_log_in_order_with_their_
     assert closed["data"].get("world_size") == 1, closed
     broke_at = check_phases(window, second)
     # Dated from b's last heartbeat (its verdict's own detect), also when a's worker failed first, but not
-    # before the world it broke began (master.job.recovery_phases): b's last heartbeat may precede the first
+    # before the world it broke began (master.job.accounting): b's last heartbeat may precede the first
     # recovery's end by a hair when b is killed right after it.
     last_heartbeat = dead[0]["time"] - dead[0]["durations"]["detect"]
     world_began = first["data"].get("training_at", float("-inf"))

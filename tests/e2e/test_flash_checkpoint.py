@@ -1,4 +1,4 @@
-"""Flash checkpoints, exact data position and exactly-once training (issue 4's checks).
+"""Flash checkpoints, exact data position and exactly-once training.
 
 Library tests run in this process (flash save, space check, memory-first load) or as small gloo worlds
 of real processes (tests/support/ckpt_worker.py: the ranks' agreement in elastic.load, DCP re-sharding). The
@@ -39,8 +39,7 @@ from e2e import (
 )
 
 from agent.checkpoints.shm_folder import folder_name
-from elastic.checkpoint import layout, restore
-from elastic.checkpoint import memory as memory_ckpt
+from elastic.checkpoint import layout
 from elastic.checkpoint import replicated as checkpoint
 from elastic.checkpoint.replicated import CheckpointError
 
@@ -114,7 +113,7 @@ def test_flash_save_writes_to_shared_memory_only_and_asks_the_agent_to_persist(
     assert [s for s, _ in layout.checkpoint_files(shm)] == [3, 2], "memory keeps the last two saves"
     assert not (tmp_path / "disk").exists(), "no disk I/O in the worker"
     assert not [p for p in shm.iterdir() if p.name.endswith(".tmp")]
-    state, step = restore.parse_checkpoint((shm / layout.step_file_name(3)).read_bytes(), "cpu")
+    state, step = checkpoint.parse_checkpoint((shm / layout.step_file_name(3)).read_bytes(), "cpu")
     assert step == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
 
     checkpoint.save({"w": torch.zeros(1)}, 4, persist=False)
@@ -147,7 +146,7 @@ def test_too_small_shared_memory_is_a_clear_error_naming_the_sizes(
     checkpoint.save({"w": torch.ones(1)}, 1)
     checkpoint.save({"w": torch.ones(1)}, 2)
     state = {"w": torch.zeros(3 << 20)}  # 12 MiB
-    monkeypatch.setattr(memory_ckpt, "free_bytes", lambda directory: 5 << 20)
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda directory: 5 << 20)
 
     with pytest.raises(
         CheckpointError, match=r"step 3: it needs about 13\.0 MiB .*only 5\.0 MiB is available"
@@ -156,7 +155,7 @@ def test_too_small_shared_memory_is_a_clear_error_naming_the_sizes(
 
     # Before giving up it dropped the older memory copy, never the newest one.
     assert [s for s, _ in layout.checkpoint_files(shm)] == [2]
-    monkeypatch.setattr(memory_ckpt, "free_bytes", lambda directory: 100 << 20)
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda directory: 100 << 20)
     assert checkpoint.save(state, 3) is not None
 
 

@@ -1,4 +1,4 @@
-"""Issue 17, check 3, short version: bench/inprocess_exact.py --smoke (one run, 3 SIGKILLs of the rank-1
+"""Short version of bench/inprocess_exact.py --smoke (one run, 3 SIGKILLs of the rank-1
 worker of scripts/train_inprocess.py at a fixed world of 2) recovers in process every time, keeps the
 survivor's PID, gives the replaced ranks the survivor's state, trains every sample once, redoes no
 committed step, ends bitwise equal to an uninterrupted run, and leaves no process behind."""

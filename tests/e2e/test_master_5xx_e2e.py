@@ -1,4 +1,4 @@
-"""Issue 15, reproduction 5: an agent rides through 500/502/504 answers in front of its master (a proxy
+"""An agent rides through 500/502/504 answers in front of its master (a proxy
 or load balancer having a bad second) instead of stopping its workers at the first one.
 
 A real ``elastic-master``, a real ``elastic-run`` agent and its gloo worker; between them a TCP relay of

@@ -1,4 +1,4 @@
-"""Master failover end to end (issue 5's checks): real etcd, real ``elastic-master`` daemons, real
+"""Master failover end to end: real etcd, real ``elastic-master`` daemons, real
 ``elastic-run`` agents as fake nodes on this machine (``--nproc-per-node 1``, distinct ``--node-id``) and
 real gloo workers of scripts/train_script.py.
 

@@ -1,4 +1,4 @@
-"""A planned restart or a crash of the leading master never restarts training (issue 15, first part):
+"""A planned restart or a crash of the leading master never restarts training:
 real etcd, real ``elastic-master`` daemons, real ``elastic-run`` agents as fake nodes, real gloo workers.
 
 * the leader SIGTERMed (or SIGKILLed) three times in a row, restarted as the standby each time: no worker

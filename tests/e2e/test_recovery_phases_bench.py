@@ -1,4 +1,4 @@
-"""Issue 19, check 2, short version: one worker kill of bench/recovery.py under ``elastic-master
+"""Short version, one worker kill of bench/recovery.py under ``elastic-master
 --event-log``; the recovery's phases from the event log agree with the benchmark's own timings of the same
 recovery (kill -> the new workers' creation -> every rank's first step) within max(10 %, 30 ms), phase by
 phase; the mapping: bench/phases.py."""

@@ -1,4 +1,4 @@
-"""Sharded flash checkpoints end to end (issue 13, check 1): real agents (``python -m agent``) as two fake
+"""Sharded flash checkpoints end to end: real agents (``python -m agent``) as two fake
 nodes of two workers, a real ``elastic-master``, scripts/train_sharded.py (FSDP2 on gloo) saving its
 sharded state every step into the agents' shared memory, no ``--ckpt-dir``. The agents replicate each
 node's newest save to the other (``--replicas 1``, the default); a SIGKILLed node's shards then come back

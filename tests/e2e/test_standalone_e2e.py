@@ -1,4 +1,4 @@
-"""End-to-end tests of ``elastic-run --standalone`` (issue 2's checks), with real processes and gloo.
+"""End-to-end tests of ``elastic-run --standalone``, with real processes and gloo.
 
 Every test starts the real CLI (``python -m agent``) through the ``launch`` fixture, which kills every
 process tree it started at teardown. Waiting is always polling with a deadline (``Proc.wait_for``,

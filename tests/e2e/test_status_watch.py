@@ -19,7 +19,7 @@ from rich.console import Console
 from tools import require_tool
 
 from elastic.control.protocol import JobStatus, NodeStatus, StatusEvent
-from master.cli.status_watch import render_watch
+from master.cli.status import render_watch
 
 HOSTILE = "[red]forged[/red] <script>x</script> \x1b[2J"
 

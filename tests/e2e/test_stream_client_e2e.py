@@ -1,4 +1,4 @@
-"""Issue 18: one connection per agent. A real ``elastic-run`` agent of a one-node job, its worker holding
+"""One connection per agent. A real ``elastic-run`` agent of a one-node job, its worker holding
 (heartbeats every 0.5 s, the watch long-poll pending at the master), holds exactly one TCP connection to the
 master's port, counted on the agent's process (psutil). ``ELASTIC_MASTER_STREAM=0`` gives the plain HTTP
 client of before: one connection per thread that talks to the master (4 here, soon after the start)."""

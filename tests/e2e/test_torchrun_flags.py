@@ -26,13 +26,12 @@ from click.core import ParameterSource
 from e2e import REPO, base_env, elastic_run_argv
 
 import agent.cli.main
-import agent.cli.values
-from agent.cli import torchrun_compat as tc
-from agent.cli.torchrun_compat import Std, StdSpec
+import agent.cli.resolve
+from agent.cli import torchrun as tc
 from agent.observe.events import PREFIX, ConsoleEventLog, event_log_for
 from agent.settings import DEFAULT_STOP_GRACE_S
 from agent.workers.filtered_log import FilteredLog, open_filtered_logs
-from agent.workers.output import OutputPolicy
+from agent.workers.output import OutputPolicy, Std, StdSpec
 
 launch = e2e.launch  # the fixture: starts processes, kills their trees at teardown
 
@@ -213,7 +212,7 @@ def test_shutdown_timeout_and_stop_grace(resolve) -> None:
 
 def test_cli_resolves_torchrun_flags(resolve, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(agent.cli.values, "visible_gpus", lambda: 0)
+    monkeypatch.setattr(agent.cli.resolve, "visible_gpus", lambda: 0)
     settings = resolve(
         "--nproc-per-node",
         "2",
@@ -389,7 +388,7 @@ def _no_gpu_env() -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(agent.cli.values.visible_gpus() > 0, reason="checks the no-GPU behaviour")
+@pytest.mark.skipif(agent.cli.resolve.visible_gpus() > 0, reason="checks the no-GPU behaviour")
 def test_console_filter_duplicates_virtual_rank_events_and_warnings(launch, tmp_path: Path) -> None:
     script = write_script(tmp_path, "reporter.py", REPORTER)
     logs = tmp_path / "logs"
@@ -507,7 +506,7 @@ def test_sigusr1_is_forwarded_to_the_workers_and_the_job_goes_on(launch, tmp_pat
 
 def test_agent_modules_stay_free_of_torch() -> None:
     code = (
-        "import agent.cli.main, agent.cli.torchrun_flags, agent.executor.startup, agent.executor.signals, "
+        "import agent.cli.main, agent.cli.torchrun, agent.cli.startup, "
         "agent.observe.events, agent.executor.loop, sys; assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

@@ -1,5 +1,5 @@
 """The agent stream, master side (master/http/stream.py; docs/protocol.md, "The agent stream"), with a real
-``EmbeddedMaster`` (uvicorn in a thread) on 127.0.0.1 and the stream spoken from raw sockets
+``EmbeddedMaster`` (the master in a thread) on 127.0.0.1 and the stream spoken from raw sockets
 (tests/support/stream_socket.py): the upgrade and its refusals (the gate's 401/429/409, 503 from a
 standby on a real etcd, no upgrade elsewhere than /v1/stream), every call answering as its HTTP route
 does (a scenario played on twin masters, one over HTTP and one over the stream), multiplexing with

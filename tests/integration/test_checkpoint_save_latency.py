@@ -12,8 +12,7 @@ import socket
 import pytest
 from e2e import wait_until
 
-from agent.observe.channel import ProgressChannel
-from agent.observe.latency import LatencyHistogram
+from agent.observe.channel import LatencyHistogram, ProgressChannel
 
 pytestmark = pytest.mark.timeout(30)
 

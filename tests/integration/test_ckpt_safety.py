@@ -29,7 +29,7 @@ from agent.checkpoints.shm_folder import OWNER_FILE, KeeperError
 from elastic.checkpoint import layout
 from elastic.control.job_settings import JobSettings
 from elastic.control.protocol import HeartbeatRequest, JoinRequest, NodeState
-from master.cli.status_view import render_status
+from master.cli.status import render_status
 from master.job.job import Job
 
 KEEPER_PROC = SUPPORT / "keeper_proc.py"

@@ -1,5 +1,5 @@
 """Reused shared-memory segments of flash saves (elastic/checkpoint/segments.py,
-elastic/checkpoint/flash_save.py): the double buffer recycles the same inodes, a file under a reader is never
+elastic/checkpoint/flash.py): the double buffer recycles the same inodes, a file under a reader is never
 recycled, a killed save leaves nothing torn, space errors name the sizes, and device copies finish in the
 background (a fake device).
 
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic.checkpoint import flash_format, flash_save, layout, segments
-from elastic.checkpoint.flash_save import AsyncSaveError, FlashWriter
+from elastic.checkpoint import flash, layout, segments
+from elastic.checkpoint.flash import AsyncSaveError, FlashWriter
 
 REPO = Path(__file__).resolve().parents[2]
 PLENTY = 1 << 40
@@ -35,7 +35,7 @@ def shm() -> Iterator[Path]:
     try:
         yield folder
     finally:
-        flash_save.close_all()
+        flash.close_all()
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -52,7 +52,7 @@ def inodes(folder: Path) -> dict[str, int]:
 
 
 def load(path: Path) -> tuple[dict, int]:
-    return flash_format.parse(layout.read_shared(path), "cpu")
+    return flash.parse(layout.read_shared(path), "cpu")
 
 
 @pytest.mark.timeout(30)
@@ -61,7 +61,7 @@ def test_the_double_buffer_recycles_the_same_two_inodes_after_the_first_save(shm
     committed: list[int] = []
     w.save(state(1), 1, lambda: committed.append(1))
     first = w.history[0]
-    size = flash_format.plan(state(1)).size
+    size = flash.plan(state(1)).size
     assert first.fresh_bytes >= 2 * size - 2 * 4096, "the first save faults its segment and the spare in"
     names = inodes(shm)
     assert len(names) == 2 and any(n.startswith(segments.SPARE_PREFIX) for n in names), names
@@ -98,7 +98,7 @@ def test_a_file_a_reader_holds_is_not_recycled_and_becomes_the_spare(shm: Path) 
         assert [p.stat().st_ino for p in spares] == [held], (
             "the surplus file under a reader is kept as the spare"
         )
-        assert flash_format.parse(reader.read(), "cpu")[1] == 1, "the reader still reads step 1, unchanged"
+        assert flash.parse(reader.read(), "cpu")[1] == 1, "the reader still reads step 1, unchanged"
     # Released: the next saves may take it again; never more than the double buffer and one spare.
     for step in (5, 6, 7):
         w.save(state(step), step, lambda: None)
@@ -121,7 +121,7 @@ def test_open_shared_refuses_a_file_that_is_being_or_was_recycled(
     finally:
         os.close(fd)
     with layout.open_shared(path) as f:
-        assert flash_format.parse(f.read(), "cpu")[1] == 1
+        assert flash.parse(f.read(), "cpu")[1] == 1
     # Recycled between the reader's open and its lock: the name now names another file, never read.
     other = shm / "other"
     other.write_bytes(b"x")
@@ -148,7 +148,7 @@ def test_a_save_that_fails_midway_leaves_the_newest_checkpoint_and_no_temp_file(
     def broken(*args: object) -> None:
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(flash_format, "write_frame", broken)
+    monkeypatch.setattr(flash, "write_frame", broken)
     with pytest.raises(OSError, match="on fire"):
         w.save(state(3), 3, lambda: pytest.fail("a failed save must not be reported"))
     monkeypatch.undo()
@@ -162,7 +162,7 @@ def test_a_save_that_fails_midway_leaves_the_newest_checkpoint_and_no_temp_file(
 _KILLED_CHILD = """
 import sys, threading, torch
 from pathlib import Path
-from elastic.checkpoint.flash_save import FlashWriter
+from elastic.checkpoint.flash import FlashWriter
 
 class Stuck:  # a device whose copies never finish: the save is killed while its file is a temp file
     def handles(self, device): return True
@@ -210,12 +210,12 @@ def test_a_writer_killed_mid_save_leaves_only_whole_checkpoints_and_the_next_wri
 def test_too_little_space_is_a_no_space_error_and_the_spare_is_skipped_when_it_does_not_fit(
     shm: Path,
 ) -> None:
-    size = flash_format.plan(state(1, numel=1 << 20)).size  # 4 MiB
+    size = flash.plan(state(1, numel=1 << 20)).size  # 4 MiB
     with pytest.raises(segments.NoSpaceError) as caught:
         writer(shm, free=size // 2).save(state(1, numel=1 << 20), 1, lambda: pytest.fail("not saved"))
     assert caught.value.need >= size and caught.value.free == size // 2
     assert list(shm.iterdir()) == [], "nothing left behind"
-    flash_save.close_all()
+    flash.close_all()
 
     # A folder of room for one segment, not two: free space shrinks as the folder fills up.
     capacity = size + segments.HEADROOM_BYTES + 8192

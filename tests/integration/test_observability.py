@@ -20,10 +20,9 @@ from elastic.control.client import MasterClient
 from elastic.control.job_settings import JobSettings
 from elastic.control.protocol import HeartbeatRequest, JoinRequest, NodeState, WorkerFailure
 from master.http.serving import EmbeddedMaster
+from master.job.accounting import GoodputAccount, RecoveryTracker
 from master.job.events import Event
-from master.job.goodput import GoodputAccount
 from master.job.job import Job
-from master.job.recovery_phases import RecoveryTracker
 from master.service.event_log import EventLog
 from master.service.settings import ServerSettings
 

@@ -41,7 +41,7 @@ def test_a_master_off_loopback_without_a_token_is_refused_before_any_connection(
 def test_the_status_table_escapes_what_nodes_sent() -> None:
     from elastic.control.job_settings import JobSettings
     from elastic.control.protocol import HeartbeatRequest, JoinRequest, NodeState
-    from master.cli.status_view import render_status
+    from master.cli.status import render_status
     from master.job.job import Job
 
     job = Job(JobSettings(job_id="j", min_nodes=1, max_nodes=1, last_call_s=0.0), now=0.0)

@@ -1,4 +1,4 @@
-"""Replayed sharded flash saves (elastic/checkpoint/shard_replay.py): after one full DCP save, later saves of
+"""Replayed sharded flash saves (elastic/checkpoint/dcp_io.py): after one full DCP save, later saves of
 a state of the same structure are replayed without DCP's collectives, and each loads back (``dcp.load``) as
 the state that was saved, small objects included; a state whose layout changed (a key added, a pickle that
 grew) gets a full save again. Two real gloo ranks of one node (tests/support/shard_replay_worker.py)."""

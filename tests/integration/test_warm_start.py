@@ -40,10 +40,25 @@ MODES = ["exec", "warm"]
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
-def next_exit(group: WorkerGroup, timeout: float = 60.0) -> WorkerExit:
-    exit_ = group.wait_exit(timeout)
-    assert exit_ is not None, f"no worker exit within {timeout}s"
-    return exit_
+class Exits:
+    """The exits a group reports to its ``on_exit`` callback (the agent loop's path), read in order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[WorkerExit] = queue.Queue()
+
+    def __call__(self, exit_: WorkerExit) -> None:
+        self._queue.put(exit_)
+
+    def next(self, timeout: float = 60.0) -> WorkerExit:
+        """The next exit reported; fails the test when none comes within ``timeout`` seconds."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no worker exit within {timeout}s") from None
+
+    def empty(self) -> bool:
+        """True when every exit reported so far has been read."""
+        return self._queue.empty()
 
 
 def write(path: Path, code: str) -> Path:
@@ -122,10 +137,10 @@ def groups(
 
 def run(group: WorkerGroup, spec: WorkerSpec, mode: str) -> list[WorkerExit]:
     """Start ``spec``, check it was started in ``mode``, and return every exit by local rank."""
-    group.start(spec)
+    reported = Exits()
+    group.start(spec, reported)
     assert group.launched_by == mode
-    exits = sorted((next_exit(group) for _ in range(spec.nprocs)), key=lambda e: e.local_rank)
-    return exits
+    return sorted((reported.next() for _ in range(spec.nprocs)), key=lambda e: e.local_rank)
 
 
 def rank_lines(text: str, rank: int) -> list[str]:
@@ -429,9 +444,10 @@ def time_to_first_line(group: WorkerGroup, spec: WorkerSpec, stamp: Path, mode: 
     """Seconds from ``start()`` until the worker has imported torch and built an optimizer."""
     stamp.unlink(missing_ok=True)
     started = time.monotonic()
-    group.start(spec)
+    exits = Exits()
+    group.start(spec, exits)
     assert group.launched_by == mode
-    assert next_exit(group).returncode == 0
+    assert exits.next().returncode == 0
     first, preloaded, torch_done = stamp.read_text().split()
     assert float(first) >= started
     return float(torch_done) - started, preloaded == "True"
@@ -507,7 +523,8 @@ def test_stop_ends_warm_workers_and_the_zygote_serves_the_next_start(
     group = groups("warm")
     for _ in range(2):
         stamp.unlink(missing_ok=True)
-        group.start(spec)
+        exits = Exits()
+        group.start(spec, exits)
         assert group.launched_by == "warm"
         pids = group.pids
         wait_until(stamp.exists, 30, "the warm workers to start")
@@ -515,7 +532,7 @@ def test_stop_ends_warm_workers_and_the_zygote_serves_the_next_start(
         group.stop(grace_s=20)
         assert time.monotonic() - started < 5
         assert all(gone(pid) for pid in pids)
-        assert group.running() == [] and group.wait_exit(0.1) is None
+        assert group.running() == [] and exits.empty()  # stop() caused these exits
     assert zygote.ready and not gone(zygote.pid or 0)
 
 
@@ -570,7 +587,8 @@ def test_fallback_to_exec_before_the_zygote_is_ready_and_after_it_died(
         assert any("imported torch, torch._dynamo (torch" in m for m in messages), messages
         assert any("not preloaded: no_such_module_for_this_test" in m for m in messages), messages
         stamp.unlink(missing_ok=True)
-        group.start(spec)
+        exits = Exits()
+        group.start(spec, exits)
         assert group.launched_by == "warm"
         warm_worker = group.pids[0]
         leftovers.append(warm_worker)
@@ -578,7 +596,7 @@ def test_fallback_to_exec_before_the_zygote_is_ready_and_after_it_died(
 
         # The zygote dies: its workers die with it (PR_SET_PDEATHSIG) and the exit is still reported.
         os.kill(launcher.pid, signal.SIGKILL)
-        exit_ = next_exit(group, timeout=20)
+        exit_ = exits.next(timeout=20)
         assert (exit_.pid, exit_.returncode) == (warm_worker, -signal.SIGKILL)
         wait_until(lambda: not launcher.ready, 10, "the launcher to notice the zygote's death")
 

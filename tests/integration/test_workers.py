@@ -44,10 +44,25 @@ def read_pid(path: Path) -> int:
     return int(path.read_text())
 
 
-def next_exit(group: WorkerGroup, timeout: float = 10.0) -> WorkerExit:
-    exit_ = group.wait_exit(timeout)
-    assert exit_ is not None, f"no worker exit within {timeout}s"
-    return exit_
+class Exits:
+    """The exits a group reports to its ``on_exit`` callback (the agent loop's path), read in order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[WorkerExit] = queue.Queue()
+
+    def __call__(self, exit_: WorkerExit) -> None:
+        self._queue.put(exit_)
+
+    def next(self, timeout: float = 10.0) -> WorkerExit:
+        """The next exit reported; fails the test when none comes within ``timeout`` seconds."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no worker exit within {timeout}s") from None
+
+    def empty(self) -> bool:
+        """True when every exit reported so far has been read."""
+        return self._queue.empty()
 
 
 @pytest.fixture
@@ -90,13 +105,14 @@ def test_two_workers_output_is_prefixed_and_exits_are_seen_at_once(
         {**BASE_ENV, "RANK": "0", "CODE": "0", "STAMP_DIR": str(tmp_path)},
         {**BASE_ENV, "RANK": "1", "CODE": "3", "STAMP_DIR": str(tmp_path)},
     ]
-    group.start(WorkerSpec(argv=python(WORKER_PRINTS_AND_EXITS), envs=envs, global_ranks=[0, 1]))
+    reported = Exits()
+    group.start(WorkerSpec(argv=python(WORKER_PRINTS_AND_EXITS), envs=envs, global_ranks=[0, 1]), reported)
     assert len(group.pids) == 2
 
     exits: dict[int, WorkerExit] = {}
     latencies: list[float] = []
     for _ in range(2):
-        exit_ = next_exit(group)
+        exit_ = reported.next()
         seen_at = time.monotonic()
         exits[exit_.global_rank] = exit_
         latencies.append(seen_at - float((tmp_path / f"exit{exit_.global_rank}").read_text()))
@@ -106,7 +122,7 @@ def test_two_workers_output_is_prefixed_and_exits_are_seen_at_once(
     assert [exits[r].pid for r in (0, 1)] == group.pids
     assert max(latencies) < 0.5, f"exits seen {latencies}s after the workers exited"
     assert group.running() == []
-    assert group.wait_exit(None) is None  # nothing left to report: no blocking
+    assert reported.empty()  # each exit reported once
 
     group.stop()
     out, err = capfd.readouterr()
@@ -116,24 +132,14 @@ def test_two_workers_output_is_prefixed_and_exits_are_seen_at_once(
 
 
 @pytest.mark.timeout(30)
-def test_wait_exit_times_out_while_workers_run(group: WorkerGroup) -> None:
-    assert group.wait_exit(None) is None  # nothing started
-    group.start(spec_for(python("import time; time.sleep(300)")))
-    started = time.monotonic()
-    assert group.wait_exit(0.2) is None
-    assert time.monotonic() - started >= 0.19
-    assert group.running() == [0]
-
-
-@pytest.mark.timeout(30)
-def test_stop_wakes_a_blocked_wait_exit(group: WorkerGroup) -> None:
-    group.start(spec_for(python("import time; time.sleep(300)")))
-    results: queue.Queue[WorkerExit | None] = queue.Queue()
-    waiter = threading.Thread(target=lambda: results.put(group.wait_exit(None)), daemon=True)
-    waiter.start()
+def test_exits_caused_by_stop_are_not_reported(group: WorkerGroup) -> None:
+    reported = Exits()
+    group.start(spec_for(python("import time; time.sleep(300)"), nprocs=2), reported)
+    assert group.running() == [0, 1]
+    pids = group.pids
     group.stop(grace_s=5)
-    assert results.get(timeout=5) is None  # exits caused by stop() are not reported
-    waiter.join(timeout=5)
+    assert all(gone(pid) for pid in pids)
+    assert reported.empty()  # stop() caused these exits
 
 
 @pytest.mark.timeout(30)
@@ -149,8 +155,9 @@ def test_log_dir_gets_raw_output_and_the_console_survives_binary(
         sys.stdout.buffer.flush()
         print("to stderr", file=sys.stderr)
     """
-    group.start(spec_for(python(code), log_dir=tmp_path / "logs", attempt="round3"))
-    assert next_exit(group).returncode == 0
+    exits = Exits()
+    group.start(spec_for(python(code), log_dir=tmp_path / "logs", attempt="round3"), exits)
+    assert exits.next().returncode == 0
     group.stop()
 
     folder = tmp_path / "logs" / "round3" / "rank0"
@@ -168,8 +175,9 @@ def test_worker_sees_exactly_the_given_environment(
     env = {"PATH": "/usr/bin:/bin", "FOO": "bar baz", "ELASTIC_NODE_ID": "n1", "RANK": "5"}
     env_binary = shutil.which("env")
     assert env_binary is not None
-    group.start(WorkerSpec(argv=[env_binary], envs=[env], global_ranks=[5], attempt="round1"))
-    assert next_exit(group).returncode == 0
+    exits = Exits()
+    group.start(WorkerSpec(argv=[env_binary], envs=[env], global_ranks=[5], attempt="round1"), exits)
+    assert exits.next().returncode == 0
     group.stop()
 
     out, _ = capfd.readouterr()
@@ -190,8 +198,9 @@ def test_failure_info_finds_the_exception_on_stderr(group: WorkerGroup) -> None:
             raise RuntimeError("boom")
         train()
     """
-    group.start(spec_for(python(code)))
-    exit_ = next_exit(group)
+    exits = Exits()
+    group.start(spec_for(python(code)), exits)
+    exit_ = exits.next()
     info = group.failure_info(exit_)
     assert (info.exit_code, info.signal) == (1, None)
     assert (info.local_rank, info.global_rank) == (0, 0)
@@ -208,8 +217,9 @@ def test_failure_info_prefers_the_error_file(group: WorkerGroup) -> None:
             json.dump(record, f)
         raise RuntimeError("what stderr says")
     """
-    group.start(spec_for(python(code)))
-    info = group.failure_info(next_exit(group))
+    exits = Exits()
+    group.start(spec_for(python(code)), exits)
+    info = group.failure_info(exits.next())
     assert info.message == "ValueError: from the error file"
     assert info.exit_code == 1
 
@@ -225,8 +235,9 @@ def test_failure_info_reads_the_file_written_by_torch_record(group: WorkerGroup)
 
         main()
     """
-    group.start(spec_for(python(code)))
-    info = group.failure_info(next_exit(group, timeout=50))
+    exits = Exits()
+    group.start(spec_for(python(code)), exits)
+    info = group.failure_info(exits.next(timeout=50))
     assert info.message == "KeyError: 'missing shard'"
 
 
@@ -235,15 +246,17 @@ def test_a_stale_error_file_is_removed_before_the_spawn(tmp_path: Path, leftover
     stale = tmp_path / "round2" / "rank0" / "error.json"
     stale.parent.mkdir(parents=True)
     stale.write_text(json.dumps({"message": "from an earlier run"}))
+    exits = Exits()
     with WorkerGroup(error_dir=tmp_path) as group:
         group.start(
             spec_for(
                 python("import sys; print('IndexError: fresh', file=sys.stderr); sys.exit(2)"),
                 attempt="round2",
-            )
+            ),
+            exits,
         )
         leftovers.extend(group.pids)
-        info = group.failure_info(next_exit(group))
+        info = group.failure_info(exits.next())
     assert (info.message, info.exit_code) == ("IndexError: fresh", 2)
     assert tmp_path.is_dir()  # a caller's error_dir is not removed
 
@@ -251,10 +264,11 @@ def test_a_stale_error_file_is_removed_before_the_spawn(tmp_path: Path, leftover
 @pytest.mark.timeout(30)
 def test_a_sigkilled_worker_is_reported_with_its_signal(group: WorkerGroup, tmp_path: Path) -> None:
     ready = tmp_path / "ready"
-    group.start(spec_for(python(f"import time; open({str(ready)!r}, 'w').close(); time.sleep(300)")))
+    exits = Exits()
+    group.start(spec_for(python(f"import time; open({str(ready)!r}, 'w').close(); time.sleep(300)")), exits)
     wait_until(ready.exists, 10, "the worker to start")
     os.kill(group.pids[0], signal.SIGKILL)
-    exit_ = next_exit(group)
+    exit_ = exits.next()
     assert exit_.returncode == -signal.SIGKILL and exit_.signal_name == "SIGKILL"
     info = group.failure_info(exit_)
     assert (info.exit_code, info.signal) == (None, "SIGKILL")
@@ -357,17 +371,18 @@ def test_stop_kills_a_descendant_that_left_the_group_and_ignores_sigterm(
 @pytest.mark.timeout(30)
 def test_stop_is_idempotent_and_the_group_restarts(group: WorkerGroup) -> None:
     group.stop()  # nothing started yet
-    group.start(spec_for(python("import time; time.sleep(300)")))
+    exits = Exits()
+    group.start(spec_for(python("import time; time.sleep(300)")), exits)
     with pytest.raises(WorkerGroupError, match="still running"):
-        group.start(spec_for(python("pass")))
+        group.start(spec_for(python("pass")), exits)
     group.stop(grace_s=1)
     group.stop(grace_s=1)
-    assert group.wait_exit(0.1) is None
+    assert exits.empty()
 
-    group.start(spec_for(python("import sys; sys.exit(4)"), attempt="1"))
-    assert next_exit(group).returncode == 4
-    group.start(spec_for(python("pass"), attempt="2"))  # all exited: start() cleans up by itself
-    assert next_exit(group).returncode == 0
+    group.start(spec_for(python("import sys; sys.exit(4)"), attempt="1"), exits)
+    assert exits.next().returncode == 4
+    group.start(spec_for(python("pass"), attempt="2"), exits)  # all exited: start() cleans up by itself
+    assert exits.next().returncode == 0
 
 
 @pytest.mark.timeout(30)

@@ -15,6 +15,9 @@ from agent.machine.decisions import AgentMachine, AgentState, MachineConfig
 from elastic.control.protocol import Assignment, Command, CommandReply, Outcome
 
 MASTER_TIMEOUT = 30.0
+STOP_GRACE = 5.0
+#: The executor's answer for live workers that cannot leave their step: they are stopped.
+NOT_KEPT = ev.WorkersProbed((0, 1), can_leave=False)
 FAILED = Outcome(succeeded=False, exit_code=1, summary="rank 3 failed: boom")
 
 
@@ -52,7 +55,13 @@ def kinds(actions: list[ev.Action]) -> list[type]:
 
 
 def machine(**overrides: object) -> AgentMachine:
-    values: dict = dict(nproc=2, master_timeout_s=MASTER_TIMEOUT, hosts_master=False, ckpt_reset=False)
+    values: dict = dict(
+        nproc=2,
+        master_timeout_s=MASTER_TIMEOUT,
+        stop_grace_s=STOP_GRACE,
+        hosts_master=False,
+        ckpt_reset=False,
+    )
     values.update(overrides)
     return AgentMachine(MachineConfig(**values))
 
@@ -68,6 +77,15 @@ def feed(m: AgentMachine, *events: ev.AgentEvent, now: float = 0.0) -> list[ev.A
 def training(m: AgentMachine, round_: int = 1) -> AgentMachine:
     feed(m, ev.Started(0.0), ev.Joined(round_, "m1"), ev.RoundAssigned(assignment(round_)))
     assert m.state is AgentState.TRAINING
+    return m
+
+
+def paused(m: AgentMachine, now: float = 1.0) -> AgentMachine:
+    """A machine whose two training workers paused (at ``now``) when round 2 opened; it joined round 2."""
+    training(m)
+    feed(m, ev.CommandReceived(reply(Command.REJOIN, 2)), now=now)
+    feed(m, ev.WorkersProbed((0, 1), can_leave=True), ev.Joined(2, "m1"), now=now)
+    assert m.state is AgentState.WAITING_ROUND and m.pause is not None
     return m
 
 

@@ -14,6 +14,8 @@ import pytest
 from agent_machine_fakes import (
     FAILED,
     MASTER_TIMEOUT,
+    NOT_KEPT,
+    STOP_GRACE,
     FakeHang,
     assignment,
     checking,
@@ -21,6 +23,7 @@ from agent_machine_fakes import (
     kinds,
     machine,
     no_io,  # noqa: F401 - a fixture
+    paused,
     reply,
     training,
 )
@@ -65,7 +68,7 @@ def test_a_signal_before_joining_exits_without_leaving() -> None:
 # -- rendezvous -------------------------------------------------------------------------------------
 def test_a_joined_node_waits_for_a_round_past_its_last_one() -> None:
     m = training(machine(), round_=3)
-    feed(m, ev.CommandReceived(reply(Command.REJOIN, 4)))
+    feed(m, ev.CommandReceived(reply(Command.REJOIN, 4)), NOT_KEPT)
     actions = m.handle(ev.Joined(4, "m1"), 5.0)
     assert actions[-1] == ev.AwaitRound(m.generation, after=3)
     assert m.state is AgentState.WAITING_ROUND
@@ -73,7 +76,7 @@ def test_a_joined_node_waits_for_a_round_past_its_last_one() -> None:
 
 def test_a_master_that_lost_the_job_state_is_followed_from_its_own_rounds() -> None:
     m = training(machine(), round_=5)
-    feed(m, ev.CommandReceived(reply(Command.REJOIN, 6)))
+    feed(m, ev.CommandReceived(reply(Command.REJOIN, 6)), NOT_KEPT)
     actions = m.handle(ev.Joined(1, "m2"), 5.0)  # a restarted memory-store master starts at round 1
     assert "lost the job's state" in actions[1].text
     assert actions[-1] == ev.AwaitRound(m.generation, after=0)
@@ -84,7 +87,8 @@ def test_an_assignment_starts_the_workers_and_ckpt_reset_applies_to_the_first_st
     feed(m, ev.Started(0.0), ev.Joined(1, "m1"))
     first = m.handle(ev.RoundAssigned(assignment(1)), 1.0)
     assert first == [ev.StartWorkers(m.generation, assignment(1), reset_ckpt=True)]
-    feed(m, ev.WorkerExited(0, False, 2.0), ev.MasterReplied(reply(Command.CONTINUE)), ev.Joined(2, "m1"))
+    feed(m, ev.WorkerExited(0, False, 2.0), ev.MasterReplied(reply(Command.CONTINUE)), NOT_KEPT)
+    feed(m, ev.Joined(2, "m1"))
     second = m.handle(ev.RoundAssigned(assignment(2)), 3.0)
     assert second == [ev.StartWorkers(m.generation, assignment(2), reset_ckpt=False)]
 
@@ -131,7 +135,8 @@ def test_a_crash_is_reported_before_the_other_workers_stop() -> None:
     assert actions == [ev.ReportCrash(1, exit_record, seen_at=7.5)]
     assert m.state is AgentState.REPORTING_FAILURE
     generation = m.generation
-    actions = m.handle(ev.MasterReplied(reply(Command.REJOIN, 2)), 8.1)
+    assert m.handle(ev.MasterReplied(reply(Command.REJOIN, 2)), 8.1) == [ev.ProbeWorkers()]
+    actions = m.handle(NOT_KEPT, 8.1)
     assert kinds(actions) == [ev.StopWorkers, ev.Join]
     assert actions[0].generation == generation + 1  # exits caused by the stop are stale
     assert kinds(m.handle(ev.WorkerExited(0, False, 8.2, generation=generation), 8.2)) == [ev.Ignored]
@@ -156,8 +161,8 @@ def test_a_hang_is_reported_from_the_start_of_the_stall() -> None:
 def test_a_new_round_restarts_the_workers_and_a_stop_ends_the_agent() -> None:
     m = training(machine())
     actions = m.handle(ev.CommandReceived(reply(Command.REJOIN, 2)), 1.0)
-    assert kinds(actions) == [ev.StopWorkers, ev.RecordRestart, ev.Join]
-    assert actions[1] == ev.RecordRestart(2)
+    assert actions == [ev.RecordRestart(2), ev.ProbeWorkers()]
+    assert kinds(m.handle(NOT_KEPT, 1.0)) == [ev.StopWorkers, ev.Join]
     m = training(machine())
     actions = m.handle(ev.CommandReceived(reply(Command.STOP, 1, FAILED)), 1.0)
     assert actions[1:] == [ev.Finish(FAILED), ev.Exit(1)]
@@ -166,8 +171,11 @@ def test_a_new_round_restarts_the_workers_and_a_stop_ends_the_agent() -> None:
 def test_a_forgotten_node_stops_its_workers_and_rejoins() -> None:
     m = training(machine())
     actions = m.handle(ev.NodeUnknown("unknown node"), 1.0)
-    assert kinds(actions) == [ev.Note, ev.StopWorkers, ev.Join]
+    assert kinds(actions) == [ev.Note, ev.ProbeWorkers]  # training workers may pause instead
     assert actions[0].text == FORGOTTEN
+    assert kinds(m.handle(NOT_KEPT, 1.0)) == [ev.StopWorkers, ev.Join]
+    m = checking(machine())
+    assert kinds(m.handle(ev.NodeUnknown("unknown node"), 1.0)) == [ev.Note, ev.StopWorkers, ev.Join]
 
 
 def test_the_master_may_stay_silent_until_the_master_timeout() -> None:
@@ -200,12 +208,76 @@ def test_every_start_stop_and_join_begins_a_new_generation() -> None:
     for event in (ev.Started(0.0), ev.Joined(1, "m"), ev.RoundAssigned(assignment(1))):
         m.handle(event, 0.0)
         seen.append(m.generation)
-    m.handle(ev.CommandReceived(reply(Command.REJOIN, 2)), 1.0)  # stop, then join
+    m.handle(ev.CommandReceived(reply(Command.REJOIN, 2)), 1.0)  # a probe of the workers
     seen.append(m.generation)
-    assert seen == [0, 1, 1, 2, 4]
+    m.handle(NOT_KEPT, 1.0)  # stop, then join
+    seen.append(m.generation)
+    assert seen == [0, 1, 1, 2, 2, 4]
     old = ev.RoundAssigned(assignment(2), generation=3)
     assert kinds(m.handle(old, 2.0)) == [ev.Ignored]
     assert m.state is AgentState.JOINING
+
+
+# -- in-process recovery ---------------------------------------------------------------------------
+def test_live_workers_that_can_leave_their_step_pause_and_are_kept_for_the_next_round() -> None:
+    m = training(machine())
+    assert m.handle(ev.CommandReceived(reply(Command.REJOIN, 2)), 1.0) == [
+        ev.RecordRestart(2),
+        ev.ProbeWorkers(),
+    ]
+    assert m.state is AgentState.LEAVING
+    generation = m.generation
+    actions = m.handle(ev.WorkersProbed((0, 1), can_leave=True), 1.0)
+    assert actions == [ev.PauseWorkers(generation + 1, 1, (0, 1)), ev.Join(generation + 2)]
+    # A paused worker's exit belongs to the training generation: not a failure of the next round.
+    assert kinds(m.handle(ev.WorkerExited(1, False, 1.5, generation=generation), 1.5)) == [ev.Ignored]
+    feed(m, ev.Joined(2, "m1"), now=2.0)
+    # The workers have until --stop-grace after the pause to leave their step.
+    assert m.handle(ev.RoundAssigned(assignment(2)), 3.0) == [ev.AwaitPaused(1.0 + STOP_GRACE - 3.0)]
+    assert m.state is AgentState.PAUSED
+    actions = m.handle(ev.PauseSettled(()), 3.1)
+    assert actions == [ev.StartWorkers(m.generation, assignment(2), reset_ckpt=False, keep=True)]
+    assert m.state is AgentState.TRAINING and m.pause is None
+
+
+def test_workers_that_do_not_leave_their_step_within_the_stop_grace_restart_their_processes() -> None:
+    m = paused(machine(), now=1.0)
+    assert m.handle(ev.RoundAssigned(assignment(2)), 10.0) == [ev.AwaitPaused(0.0)]  # the deadline is past
+    actions = m.handle(ev.PauseSettled((1,)), 10.0)
+    assert kinds(actions) == [ev.FallBack, ev.StopWorkers, ev.StartWorkers]
+    assert actions[0] == ev.FallBack(1, f"local ranks 1 did not leave their step within {STOP_GRACE:g}s")
+    assert actions[2] == ev.StartWorkers(m.generation, assignment(2), reset_ckpt=False, keep=False)
+    assert m.pause is None
+
+
+def test_a_group_that_could_not_re_form_falls_back_to_process_restarts() -> None:
+    m = training(machine())
+    feed(m, ev.WorkerExited(0, False, 1.0), ev.MasterReplied(reply(Command.REJOIN, 2)))
+    why = "local rank 1 could not re-form its group: store unreachable"
+    actions = m.handle(ev.WorkersProbed((1,), can_leave=True, failed=why), 2.0)
+    assert kinds(actions) == [ev.FallBack, ev.StopWorkers, ev.Join]
+    assert actions[0] == ev.FallBack(1, why)
+    assert m.pause is None
+
+
+def test_workers_without_the_in_process_api_are_stopped() -> None:
+    m = training(machine())
+    feed(m, ev.CommandReceived(reply(Command.REJOIN, 2)))
+    assert kinds(m.handle(ev.WorkersProbed((0, 1), can_leave=False), 1.0)) == [ev.StopWorkers, ev.Join]
+    feed(m, ev.Joined(2, "m1"))
+    assert kinds(m.handle(ev.RoundAssigned(assignment(2)), 2.0)) == [ev.StartWorkers]
+
+
+def test_paused_workers_are_stopped_for_a_node_check_and_by_a_signal() -> None:
+    m = paused(machine())
+    assert kinds(m.handle(ev.RoundAssigned(assignment(2, check=True)), 2.0)) == [
+        ev.StopWorkers,
+        ev.StartCheck,
+    ]
+    assert m.pause is None and m.state is AgentState.CHECKING
+    m = paused(machine())
+    actions = m.handle(ev.SignalReceived(signal.SIGTERM), 2.0)
+    assert kinds(actions) == [ev.Note, ev.StopWorkers, ev.Leave, ev.Exit]
 
 
 # -- node check -------------------------------------------------------------------------------------
@@ -260,8 +332,7 @@ def test_every_event_kind_has_exactly_one_event_class() -> None:
 
 
 def test_the_executor_performs_every_action() -> None:
-    from agent.executor.loop import ElasticAgent, performer_name
+    from agent.executor.loop import PERFORMERS
 
-    missing = [a.__name__ for a in get_args(ev.Action) if a is not ev.Exit]
-    missing = [name for name in missing if not hasattr(ElasticAgent, performer_name(getattr(ev, name)))]
-    assert not missing, f"actions without an executor method: {missing}"
+    expected = {a for a in get_args(ev.Action) if a is not ev.Exit}  # Exit ends the executor's loop itself
+    assert set(PERFORMERS) == expected

@@ -15,7 +15,7 @@ from elastic.errors import ElasticRunError
 PACKAGES = ("elastic", "agent", "master")
 #: Exceptions that may not derive from the root, and why.
 OUTSIDE_THE_ROOT = {
-    # Standard library only: it is part of the warm-start zygote's source bundle (agent.warm.bundle).
+    # Standard library only: it is part of the warm-start zygote's source bundle (agent.warm.starter.BUNDLE).
     "agent.warm.zygote_ops.MalformedMessage",
     # Private: caught where it is raised and turned into TLSConfigError.
     "elastic.control.tls._EncryptedKeyError",

@@ -1,4 +1,4 @@
-"""The raw format of flash checkpoints (elastic/checkpoint/flash_format.py): round trips of real states,
+"""The raw format of flash checkpoints (elastic/checkpoint/flash.py): round trips of real states,
 storage
 sharing, safe rejection of torn or forged files, and the torch.save files it must keep loading."""
 
@@ -17,16 +17,16 @@ import pytest
 import torch
 from torch import nn
 
-from elastic.checkpoint import flash_format, flash_save, layout, restore
+from elastic.checkpoint import flash, layout
 from elastic.checkpoint import replicated as checkpoint
-from elastic.checkpoint.flash_format import HEADER, MAGIC, TRAILER_SIZE
+from elastic.checkpoint.flash import HEADER, MAGIC, TRAILER_SIZE
 
 
 def flash_bytes(state: dict, step: int = 7) -> bytes:
     """A flash file's bytes, written the way a save writes them (into a writable buffer)."""
-    plan = flash_format.plan(state)
+    plan = flash.plan(state)
     buffer = bytearray(plan.size)
-    flash_format.write_frame(buffer, plan, step, flash_format.new_content_id())
+    flash.write_frame(buffer, plan, step, flash.new_content_id())
     for slot in plan.storages:
         if slot.nbytes:
             torch.frombuffer(buffer, dtype=torch.uint8, count=slot.nbytes, offset=slot.offset).copy_(
@@ -36,7 +36,7 @@ def flash_bytes(state: dict, step: int = 7) -> bytes:
 
 
 def round_trip(state: dict, map_location: object = "cpu") -> dict:
-    loaded, step = flash_format.parse(flash_bytes(state), map_location)
+    loaded, step = flash.parse(flash_bytes(state), map_location)
     assert step == 7
     return loaded
 
@@ -137,10 +137,10 @@ def test_map_location_follows_torch_loads_rules() -> None:
     assert round_trip(state, torch.device("cpu"))["w"].device.type == "cpu"
 
 
-def forged(meta: dict | bytes, *, data: bytes = b"", version: int = flash_format.VERSION) -> bytes:
+def forged(meta: dict | bytes, *, data: bytes = b"", version: int = flash.VERSION) -> bytes:
     """A flash file with a hand-made description (consistent sizes and trailer)."""
     raw = meta if isinstance(meta, bytes) else json.dumps(meta).encode()
-    offset = flash_format._align(HEADER.size + len(raw), flash_format.DATA_ALIGN)
+    offset = flash._align(HEADER.size + len(raw), flash.DATA_ALIGN)
     size = offset + len(data) + TRAILER_SIZE
     ident = b"i" * 16
     out = bytearray(size)
@@ -154,7 +154,7 @@ def forged(meta: dict | bytes, *, data: bytes = b"", version: int = flash_format
 @pytest.mark.timeout(30)
 def test_torn_or_garbage_flash_files_are_rejected_with_a_value_error() -> None:
     good = flash_bytes({"w": torch.arange(100.0), "n": [1, 2]})
-    assert flash_format.parse(good)[1] == 7
+    assert flash.parse(good)[1] == 7
     broken = {
         "cut in the header": good[:40],
         "cut in the data": good[: len(good) // 2],
@@ -200,14 +200,14 @@ def test_torn_or_garbage_flash_files_are_rejected_with_a_value_error() -> None:
     }
     for why, data in broken.items():
         with pytest.raises(ValueError):
-            flash_format.parse(data, "cpu")
+            flash.parse(data, "cpu")
             pytest.fail(f"accepted: {why}")
     # Random bytes after the magic: still a clean ValueError, never a crash or a hang.
     gen = torch.Generator().manual_seed(0)
     for length in (0, 10, 63, 64, 200, 5000):
         junk = MAGIC + bytes(torch.randint(0, 256, (length,), generator=gen, dtype=torch.uint8).tolist())
         with pytest.raises(ValueError):
-            flash_format.parse(junk, "cpu")
+            flash.parse(junk, "cpu")
 
 
 @pytest.mark.timeout(30)
@@ -215,7 +215,7 @@ def test_legacy_torch_save_files_still_load_from_disk_and_bytes(tmp_path: Path) 
     state = {"w": torch.arange(4.0), "meta": {"epoch": 2}}
     buffer = io.BytesIO()
     torch.save({"step": 5, "state": state}, buffer)
-    loaded, step = restore.parse_checkpoint(buffer.getvalue(), "cpu")
+    loaded, step = checkpoint.parse_checkpoint(buffer.getvalue(), "cpu")
     assert step == 5 and torch.equal(loaded["w"], state["w"]) and loaded["meta"] == {"epoch": 2}
 
     # A disk folder mixing an old torch.save checkpoint and a flash file the agent persisted byte for byte.
@@ -230,7 +230,7 @@ def test_legacy_torch_save_files_still_load_from_disk_and_bytes(tmp_path: Path) 
     evil = io.BytesIO()
     torch.save({"step": 1, "state": {"x": socket.AF_INET}}, evil)
     with pytest.raises(Exception):  # noqa: B017 - torch raises its own unpickling error
-        restore.parse_checkpoint(evil.getvalue(), "cpu")
+        checkpoint.parse_checkpoint(evil.getvalue(), "cpu")
 
 
 @pytest.fixture
@@ -244,7 +244,7 @@ def flash_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("ELASTIC_AGENT_SOCKET", str(tmp_path / "nobody.sock"))
     yield shm
-    flash_save.close_all()
+    flash.close_all()
 
 
 @pytest.mark.timeout(30)
@@ -254,12 +254,12 @@ def test_save_writes_the_flash_format_and_falls_back_to_torch_save_for_what_it_c
     path = checkpoint.save({"w": torch.ones(3)}, 1)
     assert path.read_bytes()[: len(MAGIC)] == MAGIC
     sparse = {"s": torch.eye(3).to_sparse()}
-    with pytest.raises(flash_format.Unsupported):
-        flash_format.plan(sparse)
+    with pytest.raises(flash.Unsupported):
+        flash.plan(sparse)
     path = checkpoint.save(sparse, 2)
     assert path.read_bytes()[:2] == b"PK", "torch.save's zip format"
     assert [s for s, _ in layout.checkpoint_files(flash_env)] == [2, 1]
     assert torch.equal(checkpoint.load()[0]["s"].to_dense(), torch.eye(3))
     # A subclass or a custom object is not guessed at: torch.save (and weights_only loading) decide.
-    with pytest.raises(flash_format.Unsupported):
-        flash_format.plan({"d": struct.Struct("<i")})
+    with pytest.raises(flash.Unsupported):
+        flash.plan({"d": struct.Struct("<i")})

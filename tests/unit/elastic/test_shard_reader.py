@@ -1,4 +1,4 @@
-"""The mapped DCP reader (elastic.checkpoint.shard_reader): restores read tensors straight from the mapped
+"""The mapped DCP reader (elastic.checkpoint.dcp_io): restores read tensors straight from the mapped
 files."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from elastic.checkpoint.shard_reader import MappedReader, record_tensor
+from elastic.checkpoint.dcp_io import MappedReader, record_tensor
 
 
 def _mapped_record(tmp_path: Path, value: object, offset: int) -> tuple[mmap.mmap, memoryview, int]:

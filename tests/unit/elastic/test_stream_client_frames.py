@@ -20,9 +20,9 @@ from elastic.control.stream_client import (
     StreamLost,
     StreamTimeout,
     encode_call,
+    stream_wanted,
 )
 from elastic.control.stream_transport import _Plain
-from elastic.control.streams import stream_wanted
 
 pytestmark = pytest.mark.timeout(30)
 

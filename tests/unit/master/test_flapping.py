@@ -11,7 +11,7 @@ from job_builders import HB_TIMEOUT, LAST_CALL, join, join_req, kinds, make_job,
 
 from elastic.control.job_settings import JobSettings, SettingsError
 from elastic.control.protocol import Command, HeartbeatRequest, NodeState
-from master.cli.status_view import render_status
+from master.cli.status import render_status
 from master.job.errors import NodeExcludedError, UnknownNodeError
 from master.job.flapping import FlapCounter, FlapPolicy
 from master.job.job import Job

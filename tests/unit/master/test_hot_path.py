@@ -1,4 +1,4 @@
-"""The job's hot path stays O(changes), not O(nodes) (issue 18): what one steady heartbeat, one tick, one
+"""The job's hot path stays O(changes), not O(nodes): what one steady heartbeat, one tick, one
 dead verdict and one join of a restart round make the job do is the same at 100 and at 2,000 nodes.
 
 Work is counted, not timed: the Python lines the job runs for one call (``sys.settrace``). A loop over the
@@ -22,8 +22,8 @@ from job_builders import HB_TIMEOUT, beat, crash, join, make_job, running
 from elastic.control.protocol import Command, HeartbeatRequest, NodeState, WorkerProgress
 from master.job.flapping import FlapCounter, FlapPolicy
 from master.job.job import Job
+from master.job.progress import StepFloor
 from master.job.rendezvous import Phase
-from master.job.step_floor import StepFloor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -208,7 +208,7 @@ def test_a_tick_after_many_losses_looks_only_at_the_losses_that_leave_the_window
     assert lines[SMALL] == lines[LARGE], f"lines run per tick by counters held: {lines}"
 
 
-# -- the committed step's floor (master.job.step_floor) -----------------------------------------------------
+# -- the committed step's floor (master.job.progress) -----------------------------------------------------
 def test_the_floor_is_the_smallest_step_once_every_member_reported_one():
     floor = StepFloor()
     floor.reset(["a", "b", "c"])

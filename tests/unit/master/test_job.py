@@ -289,25 +289,28 @@ def test_a_waiting_node_that_dies_does_not_disturb_the_running_round():
 
 
 def long_poll_answers(job: Job, node_ids: str) -> list:
-    """What every node's pending /round (after each round so far) and /watch long-polls would answer now."""
+    """What every node's pending /round (after each round so far) and /watch long-polls would answer now,
+    each asked with the node's own secret (an error's class name stands for the error)."""
     out = []
     for node_id in node_ids:
+        secret = calls.secrets_of(job).get(node_id)
         for call, arg in [(job.next_round, r) for r in range(job.rdzv.round + 1)] + [
             (job.watch, r) for r in range(job.rdzv.round + 1)
         ]:
             try:
-                out.append(call(node_id, arg))
+                out.append(call(node_id, arg, secret))
             except Exception as exc:  # noqa: BLE001 - the error is the answer
                 out.append(type(exc).__name__)
     return out
 
 
-def test_long_poll_key_changes_whenever_a_long_poll_answer_may():
-    """The master wakes pending long-polls only when ``long_poll_key()`` changes: every step that changes
-    an answer must change the key, and joins of waiting nodes and progress heartbeats must not."""
+def test_a_step_wakes_the_long_polls_whenever_an_answer_may_change():
+    """The master wakes pending long-polls only when a step's effects say so (``Effects.wake``, and only the
+    nodes of ``wake_only`` when it names some): every step that changes an answer must wake its node's
+    long-polls, and joins of waiting nodes and progress heartbeats must wake nobody."""
     job = make_job(min_nodes=2, max_nodes=5)
-    # (what, step, whether the key must change, the node making the request: its own answers may change,
-    # as it has no long-poll pending while it makes it)
+    # (what, step, whether it must wake, the node making the request: its own answers may change, as it
+    # has no long-poll pending while it makes it)
     t = 3.0 + 2 * LAST_CALL  # after round 2 opened
     steps = [
         ("a joins", lambda: join(job, 0.0, "a"), False, "a"),
@@ -325,13 +328,16 @@ def test_long_poll_key_changes_whenever_a_long_poll_answer_may():
         ("d declared dead", lambda: job.tick(t + LAST_CALL + HB_TIMEOUT + 0.1), True, ""),
         ("c fails", lambda: beat(job, "c", t + 7, state=NodeState.FAILED, failure=crash()), True, "c"),
     ]
-    for what, step, changes, requester in steps:
+    job.take_effects()
+    for what, step, wakes, requester in steps:
         others = "".join(n for n in "abcd" if n != requester)
-        key, before = job.long_poll_key(), long_poll_answers(job, others)
+        before = {n: long_poll_answers(job, n) for n in others}
         step()
-        assert (job.long_poll_key() != key) is changes, what
-        if not changes:
-            assert long_poll_answers(job, others) == before, f"{what}: an answer changed but the key did not"
+        effects = job.take_effects()
+        assert effects.wake is wakes, what
+        woken = set(others) if effects.wake_only is None else effects.wake_only if effects.wake else set()
+        for node in set(others) - woken:
+            assert long_poll_answers(job, node) == before[node], f"{what}: {node}'s answer changed unwoken"
 
 
 def test_a_node_whose_connection_closed_is_dead_after_two_intervals_unless_it_beats():

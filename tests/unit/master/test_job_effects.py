@@ -1,4 +1,4 @@
-"""Unit tests of the job's effects (``master.job.effects``) and of round identity ``(term, number)``.
+"""Unit tests of the job's effects (``master.job.events.Effects``) and of round identity ``(term, number)``.
 
 A mutation's effects tell the server what to do: which events to log, whether durable state changed (the
 store must hold it before a reply reveals it: write-ahead) and whether pending long-polls must be woken.
@@ -12,19 +12,20 @@ import pytest
 from job_builders import beat, crash, join, make_job, running
 
 from elastic.control.protocol import Command, HeartbeatRequest, NodeState, WorkerProgress
-from master.job.effects import Effects
+from master.job.events import Effects
 from master.job.job import Job
 
 pytestmark = pytest.mark.timeout(10)
 
 
 class Recorder:
-    """Drains a job's effects after every step and checks them against the job's counters."""
+    """Drains a job's effects after every step and checks them against the job's counters, and a wake-up
+    against the long-polls' answers (each node's pending ``/v1/round`` and ``/v1/watch``)."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
         job.take_effects()  # the job_started event of the constructor
-        self.key = job.long_poll_key()
+        self.answers = answers(job)
         self.version = job.version
         self.event_count = job.event_count
 
@@ -36,11 +37,34 @@ class Recorder:
         assert len(effects.events) == fresh
         assert effects.persist == (job.version != self.version), "persist iff durable state changed"
         assert effects.version == job.version
-        key = job.long_poll_key()
-        if key != self.key:
-            assert effects.wake, f"long-poll answers changed ({self.key} -> {key}) without a wake-up"
-        self.key, self.version, self.event_count = key, job.version, job.event_count
+        now = answers(job)
+        woken = set() if not effects.wake else set(now) if effects.wake_only is None else effects.wake_only
+        for node, answer in now.items():
+            if node not in woken and node in self.answers:
+                assert answer == self.answers[node], f"node {node}'s answer changed without a wake-up"
+        self.answers, self.version, self.event_count = now, job.version, job.event_count
         return effects
+
+
+def answers(job: Job) -> dict[str, list]:
+    """What each known node's long-polls (a round after each round so far, a watch of each round) would
+    answer now, as the kind of answer; an error's class name stands for the error."""
+    out: dict[str, list] = {}
+    for node_id in job.nodes:
+        secret = calls.secrets_of(job).get(node_id)
+        replies: list = []
+        for r in range(job.round + 1):
+            for call in (job.next_round, job.watch):
+                try:
+                    reply = call(node_id, r, secret)
+                except Exception as exc:  # noqa: BLE001 - the error is the answer
+                    replies.append(type(exc).__name__)
+                    continue
+                # What a poll waits for: a reply at all (a round), another command (a watch). The figures in
+                # a reply (the committed step...) are read when it is sent, not a reason to wake a poll.
+                replies.append(getattr(reply, "status", None) or getattr(reply, "command", None))
+        out[node_id] = replies
+    return out
 
 
 def test_every_change_of_a_long_poll_answer_wakes_and_every_durable_change_persists():

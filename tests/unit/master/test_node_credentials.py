@@ -1,4 +1,4 @@
-"""Node credentials (``master.job.credentials`` and their use in ``master.job.job.Job``), with a fake clock:
+"""Node credentials (``master.job.liveness`` and their use in ``master.job.job.Job``), with a fake clock:
 one secret per node incarnation, returned by its join and required on every later request for the node; a
 join under a live node's id without its secret is a duplicate; a dead, departed or disconnected
 incarnation is replaced by the next join; the job stores hashes only, and they survive a takeover.
@@ -15,9 +15,9 @@ from elastic.control.error_table import Disposition, disposition
 from elastic.control.job_settings import JobSettings
 from elastic.control.protocol import Command, HeartbeatRequest, JoinRequest, NodeState, WorkerFailure
 from master.http.errors import http_status
-from master.job.credentials import JoinKind, hash_secret, judge_join, matches, new_secret
 from master.job.errors import BadNodeSecretError, DuplicateNodeError, UnknownNodeError
 from master.job.job import Job
+from master.job.liveness import JoinKind, hash_secret, judge_join, matches, new_secret
 from master.job.rendezvous import Phase
 
 pytestmark = pytest.mark.timeout(10)

@@ -1,10 +1,11 @@
-"""master.service.standby_hold: held calls end together when the master leads, or each after the hold."""
+"""The standby hold (master.service.waiting.StandbyHold): held calls end together when the master leads, or
+each after the hold."""
 
 from __future__ import annotations
 
 import asyncio
 
-from master.service.standby_hold import HOLD_CAP_S, StandbyHold, hold_seconds
+from master.service.waiting import HOLD_CAP_S, StandbyHold, hold_seconds
 
 
 async def _settle() -> None:

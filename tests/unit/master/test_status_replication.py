@@ -7,7 +7,7 @@ import pytest
 
 from elastic.control.job_settings import JobSettings
 from elastic.control.protocol import HeartbeatRequest, JoinRequest, NodeState
-from master.cli.status_view import render_status
+from master.cli.status import render_status
 from master.job.job import Job
 
 

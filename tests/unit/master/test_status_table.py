@@ -1,4 +1,4 @@
-"""The status table (master.cli.status_view.render_status): step time, straggler flags and node-check
+"""The status table (master.cli.status.render_status): step time, straggler flags and node-check
 figures."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from health_jobs import check
 
 from elastic.control.protocol import JobStatus, NodeStatus
-from master.cli.status_view import render_status
+from master.cli.status import render_status
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""The round's decision with its reason (``Rendezvous.decide``, ``master.job.wait_reason``), on a fake clock.
+"""The round's decision with its reason (``Rendezvous.decide``, ``master.job.views``), on a fake clock.
 
 Each test shifts time and asserts both what the rendezvous does and the sentence that says why; deadlines
 are rendered by a fake ``clock_text`` (``t=15``) so the sentences are exact.
@@ -17,7 +17,7 @@ from elastic.control.job_settings import JobSettings
 from elastic.control.protocol import HeartbeatRequest, JoinRequest, NodeState
 from master.job.job import Job
 from master.job.rendezvous import Action, Candidate, Phase, Rendezvous, wall_clock_text
-from master.job.wait_reason import ReasonLog, recent_events, waiting_reason
+from master.job.views import ReasonLog, recent_events, waiting_reason
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -168,7 +168,7 @@ def test_a_node_that_cannot_enlarge_the_world_is_told_why():
 
 
 def test_the_default_clock_text_is_the_local_time_of_a_reading_of_the_masters_unix_clock():
-    from master.service.clock import unix_monotonic
+    from master.service.service import unix_monotonic
 
     clock = unix_monotonic()
     in_a_minute = clock() + 60.0

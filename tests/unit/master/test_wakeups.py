@@ -1,4 +1,4 @@
-"""Keyed wake-ups of pending long-polls (``master.service.wakeups`` and the job's ``Effects.wake_only``).
+"""Keyed wake-ups of pending long-polls (``master.service.waiting`` and the job's ``Effects.wake_only``).
 
 A change that concerns one node (a waiting node removed, left, declared dead, excluded for flapping or
 re-admitted) wakes that node's long-polls only; a change of the round (opened, closed) or the job's end
@@ -15,12 +15,12 @@ import job_calls as calls
 import pytest
 from job_builders import HB_TIMEOUT, beat, join, join_req, make_job, running
 
-from master.job.effects import Effects
 from master.job.errors import NodeExcludedError
+from master.job.events import Effects
 from master.job.job import Job
 from master.service.service import MasterService
 from master.service.settings import ServerSettings
-from master.service.wakeups import Notifier
+from master.service.waiting import Notifier
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,0 +1,187 @@
+"""Start an agent's parts in order and stop them in reverse: the process reaper, the warm-start zygote,
+the master (found, or hosted in this process: standalone, or torchrun's c10d convenience mode, the only
+place the agent imports :mod:`master`), the worker group, the checkpoint keeper and its peer replication,
+the progress channel, the agent loop and its metrics listener.
+
+:func:`run_agent` is what ``elastic-run`` runs once its settings are resolved (:mod:`agent.cli.main`). The
+imports are inside the functions: the zygote starts before the slower ones, and torch is never imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from agent.errors import EXIT_CONFIG, AgentError
+from agent.settings import AgentSettings
+from elastic.control.addresses import split_address
+from elastic.control.error_table import MasterError, MasterTLSError, MasterUnreachableError
+from elastic.control.listener_rules import MASTER_API, Auth, check_listener
+from elastic.text import printable
+
+if TYPE_CHECKING:
+    from master.http.serving import EmbeddedMaster  # the web stack is imported only when hosting
+
+log = logging.getLogger(__name__)
+
+
+def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
+    """Start (or find) the master, then run the agent loop; returns the exit code."""
+    from agent.checkpoints import replication
+    from agent.checkpoints.keeper import keeper_for  # light imports (stdlib, psutil), as the next three
+    from agent.checkpoints.shm_folder import KeeperError
+    from agent.warm.starter import WarmLauncher
+    from agent.workers.group import Reaper, WorkerGroup
+
+    reaper = Reaper()
+    # The zygote starts first: importing torch is the longest step of a new node's first worker start,
+    # and it runs while this agent imports the rest, finds the master and waits for its round.
+    launcher = WarmLauncher(reaper, argv_hint=settings.argv) if settings.warm_start else None
+    master = client = group = channel = keeper = agent = metrics = None
+    try:
+        # The HTTP client and pydantic (~0.15 s of imports) only now, while the zygote imports torch.
+        from agent.executor.loop import ElasticAgent
+        from agent.observe.channel import ProgressChannel
+        from elastic.control.client import MasterClient
+
+        master, settings = _connect_or_host_master(settings, embed_at)
+        client = MasterClient(
+            list(settings.masters), settings.job.job_id, settings.token, tls_ca=settings.tls_ca
+        )
+        group = WorkerGroup(reaper=reaper, launcher=launcher)
+        # Checkpoint shared memory of this node; the test hook ELASTIC_PERSIST_DELAY_S slows its persists.
+        keeper = keeper_for(
+            settings.job.job_id, settings.node_id, settings.ckpt_dir, settings.ckpt_keep, os.environ
+        )
+        channel = ProgressChannel(on_checkpoint=keeper.on_checkpoint)
+        reaper.remove_on_exit(channel.folder)
+        keeper.start()
+        replication.attach(keeper, settings)  # peer replication of sharded memory checkpoints
+        agent = ElasticAgent(settings, client, group, channel, worker_env=keeper.worker_env(), keeper=keeper)
+        metrics = _serve_metrics(agent, settings)
+        return agent.run()
+    except KeeperError as exc:
+        raise AgentError(f"cannot set up the checkpoint shared memory: {exc}") from None
+    finally:
+        if metrics is not None:
+            metrics.stop()
+        if group is not None:
+            group.close()
+        if launcher is not None:
+            launcher.close()
+        if channel is not None:
+            channel.close()
+        if keeper is not None:
+            keeper.stop()  # after the workers: persists what is pending, then frees the memory
+        reaper.close()
+        if client is not None:
+            client.close()
+        if master is not None:
+            master.stop()
+        if agent is not None and agent.failure_summary:
+            print(f"elastic-run: job failed: {printable(agent.failure_summary)}", file=sys.stderr, flush=True)
+
+
+def _connect_or_host_master(
+    settings: AgentSettings, embed_at: str | None
+) -> tuple[EmbeddedMaster | None, AgentSettings]:
+    """Find the job master, or host one in this process; returns ``(embedded master or None, settings with
+    the master addresses filled in)``."""
+    from elastic.control.client import MasterClient  # httpx and pydantic: after the zygote started
+
+    if settings.standalone:
+        from master.http.serving import EmbeddedMaster  # the web stack (~0.3 s of imports) only when hosting
+        from master.service.settings import ServerSettings
+
+        # On 127.0.0.1 only, so plain http: a --tls-ca (or ELASTIC_TLS_CA) meant for daemons is not used.
+        master = EmbeddedMaster(ServerSettings(job=settings.job, token=settings.token)).start()
+        return master, dataclasses.replace(settings, masters=(master.address,), tls_ca=None)
+    client = MasterClient(
+        list(settings.masters),
+        settings.job.job_id,
+        settings.token,
+        request_timeout=3.0,
+        tls_ca=settings.tls_ca,
+    )
+    # Agents that verify the master's certificate host one only when they have a certificate to serve.
+    may_host = embed_at is not None and (settings.tls_ca is None or settings.tls_cert is not None)
+    deadline = time.monotonic() + settings.master_timeout_s
+    try:
+        while True:
+            try:
+                client.info()
+                return None, settings
+            except MasterUnreachableError:
+                if may_host and embed_at is not None:
+                    from master.http.serving import EmbeddedMaster, bind_socket
+                    from master.service.settings import ServerSettings
+
+                    host, port = split_address(embed_at)
+                    try:
+                        sock = bind_socket(host, port)
+                    except OSError:
+                        sock = None  # another agent on this machine is starting it; wait for it to answer
+                    if sock is not None:
+                        server = ServerSettings(
+                            job=settings.job,
+                            token=settings.token,
+                            host=host,
+                            port=port,
+                            tls_cert=settings.tls_cert,
+                            tls_key=settings.tls_key,
+                        )
+                        master = EmbeddedMaster(server, sock=sock).start()
+                        log.info("no master answered at %s; this agent hosts it (convenience mode)", embed_at)
+                        # Off loopback the token is a secret (agent.cli.resolve refused a derived one there).
+                        tls = settings.tls_cert is not None
+                        for warning in check_listener(MASTER_API, host, auth=Auth.SECRET, tls=tls):
+                            log.warning("%s", warning)
+                        return master, dataclasses.replace(settings, host_master_at=embed_at)
+                if time.monotonic() > deadline:
+                    hint = (
+                        " (with --tls-ca, an agent hosts the master only when given --tls-cert/--tls-key)"
+                        if embed_at is not None and not may_host
+                        else ""
+                    )
+                    raise AgentError(
+                        f"no job master answered at {', '.join(settings.masters)} within "
+                        f"{settings.master_timeout_s:g}s; start elastic-master there or check --master{hint}"
+                    ) from None
+                time.sleep(0.2)  # the master may still be starting
+            except MasterTLSError as exc:
+                raise AgentError(str(exc), EXIT_CONFIG) from None
+            except MasterError as exc:
+                code = EXIT_CONFIG if getattr(exc, "status", 0) in (401, 409) else 1
+                raise AgentError(
+                    f"master at {', '.join(settings.masters)} refused this agent: {exc}", code
+                ) from None
+    finally:
+        client.close()
+
+
+def _serve_metrics(agent, settings: AgentSettings):  # noqa: ANN001, ANN202 - agent.executor.loop / agent.observe.metrics
+    """Start the ``--metrics-port`` listener (agent.observe.metrics), or None without the option."""
+    if settings.metrics_port is None:
+        return None
+    from agent.observe.metrics import serve  # prometheus_client only when asked for
+    from elastic.control.tls import TLSConfigError, server_context
+
+    host = settings.local_addr or "127.0.0.1"
+    try:
+        tls = (
+            server_context(settings.tls_cert, settings.tls_key)
+            if settings.tls_cert and settings.tls_key
+            else None
+        )
+        return serve(agent, host, settings.metrics_port, tls)
+    except TLSConfigError as exc:
+        raise AgentError(f"--metrics-port: {exc}", EXIT_CONFIG) from None
+    except OSError as exc:
+        raise AgentError(
+            f"cannot listen on {host}:{settings.metrics_port} (--metrics-port): {exc.strerror or exc}",
+            EXIT_CONFIG,
+        ) from None

@@ -1,0 +1,195 @@
+"""The job as others see it: ``/v1/info`` and ``/v1/status``, a node's assignment and replication peers,
+and why the job is where it is. Pure reads of a :class:`~master.job.job.Job` at ``now``: nothing here
+changes the job.
+
+The waiting reason is the sentence ``/v1/status``, ``elastic-master status`` and the status page show. The
+rendezvous decides with its reason (:meth:`master.job.rendezvous.Rendezvous.decide`); the job adds what only
+it knows: the outcome, a node-check round waiting for results, a round whose members are finishing. The
+master logs the sentence when it changes (:class:`ReasonLog`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from elastic.control.protocol import Assignment, JobInfo, JobStatus, NodeStatus, StatusEvent
+from elastic.text import printable
+from master.job.rendezvous import Phase, Slot, name_list
+
+#: A :class:`master.job.job.Job` (not imported: the job imports this module).
+Job = Any
+
+#: Events ``/v1/status`` lists (the newest ones).
+STATUS_EVENTS = 20
+
+
+def job_status(job: Job, now: float) -> JobStatus:
+    """``GET /v1/status``: the job, each node (excluded ones included) and the newest events."""
+    current = job.rdzv.current
+    active = job.rdzv.phase is Phase.ACTIVE and current is not None
+    rows = []
+    for node in [*job.nodes.values(), *job.excluded_nodes.values()]:
+        slot = current.slot(node.node_id) if active else None
+        excluded = node.node_id in job.excluded_nodes
+        verdict = job.node_check.verdicts.get(node.node_id)
+        rows.append(
+            NodeStatus(
+                node_id=node.node_id,
+                rank=slot.node_rank if slot and not excluded else None,
+                state="excluded" if excluded else node.state.value,
+                heartbeat_age_s=job.heartbeat_age(node.node_id, now),
+                restarts=node.failures,
+                round=node.round,
+                host=node.host,
+                nproc=node.nproc,
+                step=node.step,
+                step_time_s=node.step_time_s,
+                compute_time_s=node.pace.compute_time_s,
+                straggler=node.node_id in job.stragglers.flagged,
+                node_check=job.node_check.results.get(node.node_id),
+                node_check_verdict=verdict.describe() if verdict else "",
+                persisted_step=node.persisted_step,
+                persist_error=node.persist_error,
+                replicated_step=node.replicated_step,
+                replication_lag=node.replication_lag,
+                replication_error=node.replication_error,
+                excluded_reason=verdict.describe() if excluded and verdict else "",
+            )
+        )
+    for flapped in job.flapping.excluded.values():
+        rows.append(
+            NodeStatus(
+                node_id=flapped.node_id,
+                rank=None,
+                state="excluded",
+                heartbeat_age_s=None,
+                restarts=0,
+                round=0,
+                host=flapped.host,
+                nproc=flapped.nproc,
+                excluded_reason=flapped.reason(),
+                readmit_in_s=max(0.0, flapped.until - now),
+            )
+        )
+    if job.outcome is not None:
+        phase = "succeeded" if job.outcome.succeeded else "failed"
+    else:
+        phase = "training" if active else "rendezvous"
+    return JobStatus(
+        job_id=job.settings.job_id,
+        master_id=job.master_id,
+        phase=phase,
+        round=job.rdzv.round,
+        world_size=current.world_size if active else 0,
+        nnodes=len(current.slots) if active else 0,
+        restart_count=job.restart_count,
+        max_restarts=job.settings.max_restarts,
+        outcome=job.outcome,
+        committed_step=job.committed_step,
+        persisted_step=max((r.persisted_step for r in rows if r.persisted_step is not None), default=None),
+        nodes=rows,
+        goodput_ratio=job.goodput.ratio(now),
+        waiting_reason=waiting_reason(job, now),
+        events=recent_events(job, now),
+    )
+
+
+def job_info(job: Job) -> JobInfo:
+    """``GET /v1/info``: the job's settings an agent checks before it joins."""
+    s = job.settings
+    return JobInfo(
+        job_id=s.job_id,
+        master_id=job.master_id,
+        min_nodes=s.min_nodes,
+        max_nodes=s.max_nodes,
+        node_unit=s.node_unit,
+        max_restarts=s.max_restarts,
+        heartbeat_interval_s=s.heartbeat_interval_s,
+        heartbeat_timeout_s=s.heartbeat_timeout_s,
+        last_call_s=s.last_call_s,
+        join_timeout_s=s.join_timeout_s,
+        node_check=s.node_check,
+    )
+
+
+def assignment(job: Job, slot: Slot) -> Assignment:
+    """A member's assignment in the current (closed) round."""
+    current = job.rdzv.current
+    assert current is not None  # a slot is one of the current round's
+    # Built from the job's own checked values, without validation: validating the member list (one entry
+    # per node) for each of N nodes made a round's assignments cost O(N^2) (84 us each at 10,000 nodes).
+    return Assignment.model_construct(
+        round=current.number,
+        node_rank=slot.node_rank,
+        nnodes=len(current.slots),
+        rank_offset=slot.rank_offset,
+        world_size=current.world_size,
+        master_addr=current.master_addr,
+        master_port=current.master_port,
+        restart_count=job.restart_count,
+        max_restarts=job.settings.max_restarts,
+        members=current.members,
+        committed_step=job.committed_step,
+        check=job.is_check_round(current.number),
+        term=job.round_term,
+    )
+
+
+def replica_targets(job: Job, node_id: str, replicas: int) -> list[str]:
+    """The replication endpoints of a node's ring successors in the current round (O(replicas)): those of
+    :func:`elastic.checkpoint.shard_layout.ring_targets`, found from the node's rank instead of a search."""
+    current = job.rdzv.current
+    slot = current.slot(node_id) if current is not None else None
+    if current is None or slot is None or replicas <= 0:
+        return []
+    members = current.members
+    count = min(replicas, len(members) - 1)
+    peers = []
+    for peer in (members[(slot.node_rank + i) % len(members)] for i in range(1, count + 1)):
+        info = job.nodes.get(peer)
+        port = info.replication_port if info is not None else None
+        host = info.host if info is not None else ""
+        peers.append(f"[{host}]:{port}" if ":" in host and port else f"{host}:{port}" if port else "")
+    return peers
+
+
+def waiting_reason(job: Job, now: float) -> str:
+    """One sentence: what the job waits for (with its deadline) or why it is in its current round."""
+    if job.outcome is not None:
+        result = "succeeded" if job.outcome.succeeded else "failed"
+        return f"finished: the job {result}" + (f" ({job.outcome.summary})" if job.outcome.summary else "")
+    rdzv = job.rdzv
+    current = rdzv.current
+    if rdzv.phase is Phase.ACTIVE and current is not None:
+        check = job.node_check
+        if current.number in check.rounds and not check.done:
+            pending = [m for m in current.members if m not in check.results]
+            return f"node check: waiting for the results of {name_list(pending)}"
+        if job.succeeded:  # members of this round only; counted, not listed: this runs at every tick
+            return f"finishing: {len(job.succeeded)} of {len(current.members)} nodes are done"
+    return rdzv.decide(now).reason
+
+
+def recent_events(job: Job, now: float, limit: int = STATUS_EVENTS) -> list[StatusEvent]:
+    """The job's newest ``limit`` events, oldest first, numbered from the job's first event."""
+    events = list(job.events)[-limit:]
+    first = job.event_count - len(events) + 1
+    return [
+        StatusEvent(seq=first + i, age_s=max(now - e.at, 0.0), kind=str(e.kind), message=e.message)
+        for i, e in enumerate(events)
+    ]
+
+
+class ReasonLog:
+    """Logs the job's waiting reason when it changes (not at every tick)."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self._log = log
+        self._last = ""
+
+    def note(self, job: Job, now: float) -> None:
+        reason = waiting_reason(job, now)
+        if reason != self._last:
+            self._last = reason
+            self._log.info("round %d: %s", job.rdzv.round, printable(reason))

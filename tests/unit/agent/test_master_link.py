@@ -1,0 +1,263 @@
+"""The executor's one retry loop (agent.executor.master_link.MasterLink.poll) with a fake client and a fake
+clock: which errors retry and which end a poll comes from the error table (elastic.control.error_table);
+delays, deadlines and what a final error does come from the poll's policy. No sleep, no socket."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from agent.executor.heartbeats import HeartbeatThread
+from agent.executor.master_link import CallFailed, MasterLink, PollPolicy
+from agent.executor.node_view import NodeView
+from agent.executor.tls_trouble import TLSTrouble
+from agent.machine import events as ev
+from agent.observe.events import EventLog
+from agent.settings import AgentSettings
+from elastic.control.client import MasterError, MasterRejectedError, MasterUnreachableError
+from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import Command, CommandReply, NodeState
+
+pytestmark = pytest.mark.timeout(10)
+
+MASTER_TIMEOUT = 30.0
+INTERVAL = 4.0  # the heartbeat interval
+
+REPLY = CommandReply(command=Command.CONTINUE, round=1)
+NO_ANSWER = MasterUnreachableError("no job master answered at m:1")
+DUPLICATE = MasterRejectedError(409, "duplicate_node", "node a is held by a live agent")
+UNKNOWN = MasterRejectedError(404, "unknown_node", "unknown node a")
+UNAUTHORIZED = MasterRejectedError(401, "unauthorized", "wrong token")
+
+
+class FakeClock:
+    """Time moves only when the poll waits; ``close_after`` waits, the agent closes."""
+
+    def __init__(self, close_after: int | None = None) -> None:
+        self.now = 100.0
+        self.waits: list[float] = []
+        self.close_after = close_after
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wait(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        self.now += seconds
+        return self.close_after is not None and len(self.waits) >= self.close_after
+
+
+class FakeClient:
+    """Answers each call with the next scripted outcome (an exception is raised); the last one repeats."""
+
+    addresses = ["m:1"]
+
+    def __init__(self, *outcomes: Any) -> None:
+        self.outcomes = list(outcomes)
+        self.calls = 0
+        self.joined = True
+
+    def next(self) -> Any:
+        self.calls += 1
+        outcome = self.outcomes.pop(0) if len(self.outcomes) > 1 else self.outcomes[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def has_joined(self, node_id: str) -> bool:
+        return self.joined
+
+    def heartbeat(self, req: object, timeout: float | None = None) -> Any:
+        return self.next()
+
+
+def link_for(client: FakeClient, clock: FakeClock) -> tuple[MasterLink, list[ev.AgentEvent]]:
+    posted: list[ev.AgentEvent] = []
+    settings = AgentSettings(
+        argv=("train.py",),
+        nproc=1,
+        job=JobSettings(job_id="j", heartbeat_interval_s=INTERVAL, heartbeat_timeout_s=3 * INTERVAL),
+        token="t",
+        node_id="a",
+        master_timeout_s=MASTER_TIMEOUT,
+    )
+    link = MasterLink(
+        settings, client, TLSTrouble(EventLog()), posted.append, lambda: 7, threading.Event(), clock
+    )  # type: ignore[arg-type] - a fake client
+    return link, posted
+
+
+def thread_policy(**overrides: Any) -> PollPolicy:
+    """A long-poll thread's policy: no deadline (failures are posted), ends on a final error."""
+    values: dict[str, Any] = dict(what="rendezvous", backoff=(0.1, 1.0))
+    values.update(overrides)
+    return PollPolicy(**values)
+
+
+def first_answer(reply: CommandReply) -> CommandReply:
+    return reply
+
+
+# -- calls the main thread waits for (a deadline: --master-timeout) -------------------------------------
+def test_a_call_retries_an_unanswered_master_with_backoff_until_it_answers() -> None:
+    clock = FakeClock()
+    link, posted = link_for(FakeClient(NO_ANSWER, NO_ANSWER, REPLY), clock)
+    assert link.call(link.client.next, "join") == REPLY
+    assert len(clock.waits) == 2
+    assert 0.05 <= clock.waits[0] <= 0.1 and 0.1 <= clock.waits[1] <= 0.2, "doubling, jittered"
+    assert link.last_contact == clock.now and posted == []
+
+
+def test_a_call_gives_up_when_no_master_answered_for_the_master_timeout() -> None:
+    clock = FakeClock()
+    link, _ = link_for(FakeClient(NO_ANSWER), clock)
+    with pytest.raises(CallFailed) as failed:
+        link.call(link.client.next, "join")
+    event = failed.value.event
+    assert isinstance(event, ev.MasterUnreachable) and event.silent_s > MASTER_TIMEOUT
+    assert max(clock.waits) <= 2.0, "the backoff's cap"
+
+
+def test_a_refusal_the_table_retries_is_retried_until_the_master_timeout_then_rejected() -> None:
+    clock = FakeClock()
+    link, _ = link_for(FakeClient(DUPLICATE), clock)
+    with pytest.raises(CallFailed) as failed:
+        link.call(link.client.next, "join")
+    event = failed.value.event
+    assert isinstance(event, ev.Rejected) and event.exit_code == 2  # 409: a configuration problem
+    assert event.message.startswith("master refused the join for ") and "node a is held" in event.message
+    assert sum(clock.waits) > MASTER_TIMEOUT
+
+
+@pytest.mark.parametrize(
+    ("refusal", "expected"),
+    [
+        (UNKNOWN, ev.NodeUnknown("unknown node a")),
+        (UNAUTHORIZED, ev.Rejected("master rejected the join: wrong token", 2)),
+        (MasterRejectedError(400, "job_error", "no"), ev.Rejected("master rejected the join: no", 1)),
+    ],
+    ids=["rejoin", "final-config", "final"],
+)
+def test_a_refusal_the_table_does_not_retry_ends_a_call_at_once(
+    refusal: MasterRejectedError, expected: ev.AgentEvent
+) -> None:
+    clock = FakeClock()
+    link, _ = link_for(FakeClient(refusal), clock)
+    with pytest.raises(CallFailed) as failed:
+        link.call(link.client.next, "join")
+    assert failed.value.event == expected and clock.waits == []
+
+
+def test_a_final_refusal_a_thread_got_fails_the_next_call_without_calling() -> None:
+    client = FakeClient(REPLY)
+    link, _ = link_for(client, FakeClock())
+    link.final_refusal = ev.Rejected("master rejected the heartbeat: node id taken", 2)
+    with pytest.raises(CallFailed) as failed:
+        link.call(client.next, "join")
+    assert failed.value.event is link.final_refusal and client.calls == 0
+
+
+def test_an_error_that_is_no_missing_answer_is_not_retried_by_a_call() -> None:
+    link, _ = link_for(FakeClient(MasterError("unexpected reply from master at m:1")), FakeClock())
+    with pytest.raises(MasterError, match="unexpected reply"):
+        link.call(link.client.next, "join")
+
+
+# -- threads (no deadline: the machine judges the silence) --------------------------------------------
+def test_a_thread_posts_each_missing_answer_and_returns_what_it_makes_of_an_answer() -> None:
+    clock = FakeClock()
+    waiting, done = (
+        CommandReply(command=Command.CONTINUE, round=1),
+        CommandReply(command=Command.REJOIN, round=2),
+    )
+    link, posted = link_for(FakeClient(NO_ANSWER, NO_ANSWER, waiting, done), clock)
+
+    def answered(reply: CommandReply) -> ev.AgentEvent | None:
+        return None if reply.command is Command.CONTINUE else ev.CommandReceived(reply, generation=3)
+
+    result = link.poll(link.client.next, thread_policy(), answered, generation=lambda: 3)
+    assert result == ev.CommandReceived(done, generation=3)
+    assert [type(e) for e in posted] == [ev.MasterUnreachable, ev.MasterUnreachable]
+    assert all(e.generation == 3 for e in posted)
+    assert posted[1].silent_s > posted[0].silent_s, "the silence since the last answer grows"
+
+
+def test_a_thread_posts_a_final_refusal_remembers_it_and_ends() -> None:
+    link, posted = link_for(FakeClient(UNAUTHORIZED), FakeClock())
+    assert link.poll(link.client.next, thread_policy(), first_answer) is None
+    assert posted == [ev.Rejected("master rejected the rendezvous: wrong token", 2)]
+    assert link.final_refusal == posted[0]
+
+
+def test_a_threads_rejoin_refusal_is_posted_with_its_generation() -> None:
+    link, posted = link_for(FakeClient(UNKNOWN), FakeClock())
+    assert link.poll(link.client.next, thread_policy(), first_answer, generation=lambda: 5) is None
+    assert posted == [ev.NodeUnknown("unknown node a", generation=5)] and link.final_refusal is None
+
+
+@pytest.mark.parametrize(("report", "wait"), [(True, None), (False, INTERVAL)], ids=["reported", "quiet"])
+def test_a_retried_refusal_waits_and_is_reported_as_the_policy_says(report: bool, wait: float | None) -> None:
+    clock = FakeClock()
+    link, posted = link_for(FakeClient(DUPLICATE, REPLY), clock)
+    policy = thread_policy(report_refusals=report, refused_wait_s=wait)
+    assert link.poll(link.client.next, policy, first_answer) == REPLY
+    assert [type(e) for e in posted] == ([ev.MasterUnreachable] if report else [])
+    assert clock.waits == [INTERVAL] if wait else 0.05 <= clock.waits[0] <= 0.1
+
+
+def test_a_poll_ends_when_it_is_no_longer_wanted_or_the_agent_closes() -> None:
+    client = FakeClient(NO_ANSWER)
+    link, _ = link_for(client, FakeClock())
+    assert link.poll(client.next, thread_policy(), first_answer, wanted=lambda: client.calls < 2) is None
+    assert client.calls == 2
+    clock = FakeClock(close_after=1)
+    link, _ = link_for(FakeClient(NO_ANSWER), clock)
+    assert link.poll(link.client.next, thread_policy(), first_answer) is None
+    assert link.client.calls == 1 and len(clock.waits) == 1
+
+
+# -- the heartbeat (a period, and it beats on after a refusal) -----------------------------------------
+class NoHangs:
+    def check(self, generation: int) -> list[object]:
+        return []
+
+
+def heartbeat(link: MasterLink, posted: list[ev.AgentEvent], state: NodeState) -> HeartbeatThread:
+    return HeartbeatThread(
+        link,
+        lambda: object(),  # type: ignore[arg-type, return-value] - the fake client ignores it
+        lambda: NodeView(state=state),
+        NoHangs(),  # type: ignore[arg-type]
+        None,
+        posted.append,
+        lambda: 9,
+        call_timeout=1.0,
+    )
+
+
+def test_the_heartbeat_beats_every_interval_and_beats_on_after_refusals() -> None:
+    clock = FakeClock(close_after=6)
+    stop = CommandReply(command=Command.STOP, round=1)
+    client = FakeClient(REPLY, UNKNOWN, NO_ANSWER, UNAUTHORIZED, stop)
+    link, posted = link_for(client, clock)
+    heartbeat(link, posted, NodeState.RUNNING).run()
+    assert client.calls == 5, "one beat per wait until the agent closes"
+    assert clock.waits[:2] == [INTERVAL, INTERVAL] and INTERVAL / 2 <= clock.waits[3] <= INTERVAL
+    assert posted[0] == ev.NodeUnknown("unknown node a", generation=9)
+    assert isinstance(posted[1], ev.MasterUnreachable) and posted[1].generation == 9
+    assert posted[2] == ev.Rejected("master rejected the heartbeat: wrong token", 2) == link.final_refusal
+    assert posted[3] == ev.CommandReceived(stop, generation=9)
+
+
+def test_a_waiting_node_is_not_told_to_rejoin_by_its_heartbeat_and_sends_none_before_joining() -> None:
+    clock = FakeClock(close_after=3)
+    client = FakeClient(UNKNOWN)
+    link, posted = link_for(client, clock)
+    heartbeat(link, posted, NodeState.WAITING).run()
+    assert client.calls == 2 and posted == []
+    last_contact = link.last_contact
+    client.joined = False
+    heartbeat(link, posted, NodeState.WAITING).run()
+    assert client.calls == 2 and link.last_contact == last_contact, "no call, so no answer counted"
