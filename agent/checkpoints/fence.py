@@ -1,14 +1,28 @@
 """Fenced commits of persisted checkpoints into a folder that several agents may share (``--ckpt-dir``).
 
-When rank 0 moves to another node, the old node's slow persist can finish after the new node's. A
-commit therefore runs under an exclusive ``flock`` of the folder's ``.fence`` file, whose content is the
-newest round that committed there (``{"round": R}``), and follows :func:`decide`:
+When rank 0 moves to another node, the old node's slow persist can finish after the new node's; and the
+same folder is used again by a resubmitted job, whose rounds start at 1 again. A commit therefore runs
+under an exclusive ``flock`` of the folder's ``.fence`` file, whose content names the newest writer that
+committed there, ``{"round": R, "incarnation": I}``, and follows :func:`decide`:
 
-* a checkpoint of an older round than the fence's is not published (its run was abandoned by a restart;
-  the newer round's files are never replaced by it);
-* ``latest`` never moves to an older step than the one it names;
+* the **job incarnation** (``Assignment.job_incarnation``: chosen by the job's master when the job is
+  created, kept across master failovers, a new one for each submission; a fixed-width hex wall-clock
+  time, then a random part, so that later submissions compare greater) orders submissions: a checkpoint
+  of an older incarnation than the fence's is not published (a writer of a finished or abandoned
+  submission); one of a newer incarnation is published whatever the round numbers, moves ``latest``
+  (even to an older step: the new submission's state is the job's now) and records its incarnation and
+  round in the fence;
+* within one incarnation (or where either side has none: written by an older master or agent), rounds
+  order writers: a checkpoint of an older round than the fence's is not published (its run was abandoned
+  by a restart; the newer round's files are never replaced by it);
+* ``latest`` never moves to an older step than the one it names (but for a new incarnation, above);
 * only checkpoints older than the committed one are pruned (a newer file is another writer's);
 * only temp files whose writer is provably dead are removed (:func:`elastic.checkpoint.layout.writer_dead`).
+
+A persist that is not published is an error for the keeper (logged, counted, reported to the master): a
+deposed writer, or a submission running next to a newer one on the same folder. The incarnation's order
+is the masters' wall clocks: two submissions started within the clock skew of their masters' hosts may be
+misordered (the later one is then refused, loudly).
 
 The lock is waited for at most ``lock_timeout_s`` (a writer hung on a dead NFS server holds it), polling
 so that a stopping keeper can cancel the wait. Where the file system has no ``flock`` the commit goes on
@@ -55,9 +69,35 @@ class Decision:
     why: str
 
 
-def decide(round_: int | None, step: int, fenced_round: int | None, latest_step: int | None) -> Decision:
-    """The commit of checkpoint ``step`` of round ``round_`` (None: unknown, an old worker) into a folder
-    whose fence names ``fenced_round`` and whose ``latest`` names ``latest_step`` (None: none)."""
+@dataclass(frozen=True)
+class Fence:
+    """What a folder's ``.fence`` file names: the newest writer that committed there."""
+
+    round: int | None = None  # None: no round recorded (an empty or torn file)
+    incarnation: str = ""  # "": none recorded (no commit yet, or one of an older agent or master)
+
+
+def decide(
+    round_: int | None,
+    step: int,
+    fenced_round: int | None,
+    latest_step: int | None,
+    incarnation: str = "",
+    fenced_incarnation: str = "",
+) -> Decision:
+    """The commit of checkpoint ``step`` of round ``round_`` (None: unknown, an old worker) of job
+    incarnation ``incarnation`` ("": unknown, an old master) into a folder whose fence names
+    ``fenced_round`` and ``fenced_incarnation`` and whose ``latest`` names ``latest_step`` (None: none).
+    See the module doc."""
+    if incarnation and incarnation != fenced_incarnation:
+        if fenced_incarnation and incarnation < fenced_incarnation:
+            return Decision(
+                False,
+                False,
+                f"job incarnation {incarnation} was superseded by a newer submission of the job "
+                f"(incarnation {fenced_incarnation}) writing to the same folder",
+            )
+        return Decision(True, True, "the first checkpoint of a new submission of the job")
     if round_ is not None and fenced_round is not None and round_ < fenced_round:
         return Decision(False, False, f"round {round_} was superseded by round {fenced_round}")
     if latest_step is not None and step < latest_step:
@@ -99,19 +139,39 @@ def fence_lock(directory: Path, timeout_s: float, cancel: threading.Event) -> It
         os.close(fd)  # releases the lock
 
 
-def read_round(fd: int) -> int | None:
-    """The round in the fence file, or None (empty, or unreadable: e.g. torn by a crash mid-write)."""
+def read_fence(fd: int) -> Fence:
+    """What the fence file names (nothing when empty, or unreadable: e.g. torn by a crash mid-write)."""
     try:
         data = json.loads(os.pread(fd, 4096, 0) or b"null")
-        return int(data["round"]) if isinstance(data, dict) else None
+    except ValueError:
+        return Fence()
+    if not isinstance(data, dict):
+        return Fence()
+    try:
+        round_ = int(data["round"])
     except (ValueError, KeyError, TypeError):
-        return None
+        round_ = None
+    incarnation = data.get("incarnation", "")
+    return Fence(round_, incarnation if isinstance(incarnation, str) else "")
 
 
-def write_round(fd: int, round_: int) -> None:
-    data = json.dumps({"round": round_}).encode()
+def advanced(fence: Fence, round_: int | None, incarnation: str) -> Fence | None:
+    """The fence after a published commit of round ``round_`` of ``incarnation``, or None when it stays:
+    a new incarnation replaces the fence (its rounds start again), a newer round of the same one moves it."""
+    if incarnation and incarnation != fence.incarnation:
+        return Fence(round_, incarnation)
+    if round_ is not None and (fence.round is None or round_ > fence.round):
+        return Fence(round_, fence.incarnation)
+    return None
+
+
+def write_fence(fd: int, fence: Fence) -> None:
+    """Replace the fence file's content (in place: the lock belongs to the inode) and make it durable."""
+    record: dict[str, object] = {"round": fence.round}
+    if fence.incarnation:
+        record["incarnation"] = fence.incarnation
     os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
     os.fsync(fd)
 
 
@@ -123,26 +183,29 @@ def commit(
     round_: int | None,
     step: int,
     keep: int,
+    incarnation: str = "",
     lock_timeout_s: float = DEFAULT_LOCK_TIMEOUT_S,
     cancel: threading.Event | None = None,
 ) -> Decision:
-    """Publish the durable temp file ``tmp`` as ``final`` (checkpoint ``step`` of ``round_``) under the
-    fence; the temp file is gone afterwards in every case."""
+    """Publish the durable temp file ``tmp`` as ``final`` (checkpoint ``step`` of ``round_`` of job
+    ``incarnation``) under the fence; the temp file is gone afterwards in every case."""
     try:
         with fence_lock(directory, lock_timeout_s, cancel or threading.Event()) as fd:
             if cancel is not None and cancel.is_set():
                 raise FenceLockTimeoutError("the keeper gave this persist up (stopping)")
-            fenced = read_round(fd)
+            fenced = read_fence(fd)
             marked = layout.read_marker(directory)
-            decision = decide(round_, step, fenced, layout.step_of(marked.name) if marked else None)
+            latest = layout.step_of(marked.name) if marked else None
+            decision = decide(round_, step, fenced.round, latest, incarnation, fenced.incarnation)
             if not decision.publish:
                 return decision
             os.replace(tmp, final)
             layout.fsync_dir(directory)
             if decision.move_latest:
                 layout.write_marker(directory, final)
-            if round_ is not None and (fenced is None or round_ > fenced):
-                write_round(fd, round_)
+            new_fence = advanced(fenced, round_, incarnation)
+            if new_fence is not None:
+                write_fence(fd, new_fence)
             layout.prune(directory, final, keep, drop_newer=False)
             layout.remove_temp_files(directory)
             return decision

@@ -17,12 +17,20 @@ it. The keeper:
   checkpoint-sized one): the agent calls :meth:`CheckpointKeeper.sweep` whenever it has stopped its
   workers; the bytes reclaimed are logged.
 * **reports** :meth:`CheckpointKeeper.persist_status`: the step last made durable and the error of the
-  last persist, or of one that made no progress for ``stall_s`` (a hung disk), for the heartbeats.
+  last persist (failed, or superseded: not published because a newer round or submission of the job
+  committed to the folder, :mod:`agent.checkpoints.fence`), or of one that made no progress for
+  ``stall_s`` (a hung disk), for the heartbeats (the master's status and events show it); each persist's
+  outcome is counted (:attr:`CheckpointKeeper.outcomes`, the agent's metrics) and a failed or superseded
+  one is logged as a warning.
 * **stop**: persists what is still pending, and the newest checkpoint in memory if it is newer than the
   last persist request (a ``persist=False`` save, or a request lost with its worker), then removes the
-  folder. The stop is bounded: it gives up a persist that made no progress for ``stall_s`` (default
-  30 s), or that still runs ``stop_cap_s`` (default 600 s) after the stop began, logs and records the
-  error, and goes on (the thread is abandoned; nothing it finishes later is published).
+  folder, unless the newest checkpoint asked for could not be made durable
+  (:attr:`CheckpointKeeper.unpersisted`): then the folder is kept, renamed out of the way of later
+  agents (:func:`agent.checkpoints.shm_folder.keep_unpersisted`, :attr:`CheckpointKeeper.kept`), and
+  the agent exits 1 saying how to persist it. The stop is bounded: it gives up a persist that made no
+  progress for ``stall_s`` (default 30 s), or that still runs ``stop_cap_s`` (default 600 s) after the
+  stop began, logs and records the error, and goes on (the thread is abandoned; nothing it finishes
+  later is published).
 
 Persist policy when a persist is still running at the next save: the worker is never blocked (its report
 is queued by the kernel). Reports wait in a slot per kind (replicated file, sharded save) that each newer
@@ -41,7 +49,7 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypedDict
 
 from agent.checkpoints import fence as ckpt_fence
 from agent.checkpoints import persist as ckpt_persist
@@ -60,6 +68,17 @@ DEFAULT_STALL_S = 30.0
 #: The stop gives up a persist still running this long after the stop began, even one making progress.
 DEFAULT_STOP_CAP_S = 600.0
 _JOIN_SLICE_S = 0.2
+
+
+class ReplicationFields(TypedDict, total=False):
+    """What a heartbeat says about peer replication: keyword arguments of
+    :class:`elastic.control.protocol.HeartbeatRequest` (none when replication is off)."""
+
+    replicas: int
+    replication_port: int
+    replicated_step: int | None
+    replication_lag: int | None
+    replication_error: str
 
 
 class CheckpointKeeper:
@@ -101,6 +120,15 @@ class CheckpointKeeper:
         self.failures = 0
         self.swept_bytes = 0  # temp files of dead writers removed from the memory folder
         self.persist_seconds = (0, 0.0)  # (persists that ended without error, their total time): metrics
+        #: The job submission's incarnation (``Assignment.job_incarnation``), set by the agent before it
+        #: starts a round's workers; it goes with their persist requests, to the fence
+        #: (agent.checkpoints.fence).
+        self.incarnation = ""
+        #: At stop: the newest request of each kind whose checkpoint could not be made durable.
+        self.unpersisted: list[Request] = []
+        #: Where the memory folder was kept at stop (the newest checkpoint is not on disk), else None.
+        self.kept: Path | None = None
+        self._published: dict[str, Request] = {}  # the last request of each kind that was published
         self._cond = threading.Condition()
         # One slot per kind (replicated file, sharded save), each replaced by a newer report.
         self._pending: dict[str, Request] = {}
@@ -150,7 +178,8 @@ class CheckpointKeeper:
             self._thread = None
             log.info(
                 "checkpoint keeper: %d persist requests, %d persisted, %d skipped for a newer one, "
-                "%d superseded by a newer round, %d failed; %s of dead writers' temp files reclaimed",
+                "%d superseded by a newer round or submission, %d failed; "
+                "%s of dead writers' temp files reclaimed",
                 self.requests,
                 self.persisted,
                 self.skipped,
@@ -164,8 +193,34 @@ class CheckpointKeeper:
         if self.replica_server is not None:
             self.replica_server.close()
         if self._lock_fd is not None:
-            shm_folder.release(self.folder, self._lock_fd)
+            self.unpersisted = self._unpersisted()
+            if self.unpersisted:
+                self.kept = shm_folder.keep_unpersisted(self.folder, self._lock_fd)
+            else:
+                shm_folder.release(self.folder, self._lock_fd)
             self._started, self._lock_fd = False, None
+
+    def _unpersisted(self) -> list[Request]:
+        """The newest request of each kind whose checkpoint did not reach the disk (failed, superseded,
+        given up); a request replaced in memory by a newer save that was persisted does not count."""
+        with self._cond:
+            return [
+                last
+                for kind, last in sorted(self._last_request.items())
+                if (done := self._published.get(kind)) is None or done.step != last.step
+            ]
+
+    @property
+    def outcomes(self) -> dict[str, int]:
+        """Persist requests by outcome, for the metrics: persisted, skipped (replaced by a newer one before
+        their persist began), superseded (not published: a newer round or submission committed), failed."""
+        with self._cond:
+            return {
+                "persisted": self.persisted,
+                "skipped": self.skipped,
+                "superseded": self.superseded,
+                "failed": self.failures,
+            }
 
     def _queue_newest(self) -> None:
         """At stop: queue the newest memory checkpoint (of each kind) when it is newer than the last persist
@@ -286,18 +341,18 @@ class CheckpointKeeper:
             # The latest report is the newest save (one writer per node), even at a lower step: after a
             # rollback to an earlier step, that is the run that goes on.
             self.requests += 1
-            self._queue(Request(step, path, target, round_number))
+            self._queue(Request(step, path, target, round_number, "", self.incarnation))
 
     def _on_sharded(self, step: int, link: Path, target: Path | None, round_number: int | None) -> None:
         if target is None or not target.is_absolute():
             return
-        request = ckpt_persist.sharded_request(step, link, target, round_number)
+        request = ckpt_persist.sharded_request(step, link, target, round_number, self.incarnation)
         if request is not None:
             with self._cond:
                 self.requests += 1
                 self._queue(request)
 
-    def replication_fields(self) -> dict[str, object]:
+    def replication_fields(self) -> ReplicationFields:
         """What the heartbeats say about peer replication (empty when it is off)."""
         if self.replicator is None or self.replica_server is None:
             return {}
@@ -365,7 +420,10 @@ class CheckpointKeeper:
         )
         with self._cond:
             self.superseded += outcome.superseded
+            if outcome.superseded:
+                self.persist_error = f"step {request.step} to {request.target}: not persisted: {outcome.why}"
             if outcome.published:
+                self._published[request.kind] = request
                 self.persisted += 1
                 self.persist_error = ""
                 if outcome.committed:

@@ -1,10 +1,17 @@
 """One persist of a checkpoint from the node's shared memory to disk, as the keeper's thread runs it.
 
 A replicated checkpoint file is copied to a temp file next to its final name (flushed as it goes, see
-:func:`copy`), then committed fenced by the worker's round (:mod:`agent.checkpoints.fence`: rename, fsync the
-folder, move ``latest`` never backwards, prune only older files). A node's sharded save is persisted
-by :mod:`agent.checkpoints.sharded_persist` (the node completing a step commits it). A checkpoint the worker
+:func:`copy`), then committed fenced by the job's incarnation and the worker's round
+(:mod:`agent.checkpoints.fence`: rename, fsync the folder, move ``latest`` never backwards within a
+submission, prune only older files). A node's sharded save is persisted by
+:mod:`agent.checkpoints.sharded_persist` (the node completing a step commits it). A checkpoint the worker
 replaced in memory before its persist began is skipped: a newer one exists and its report follows.
+
+Room on disk: when the folder's free space is less than the checkpoint's size, or the copy fails with a
+full disk (``ENOSPC``, ``EDQUOT``), the checkpoints older than the newest complete one (the one ``latest``
+names) are pruned (:func:`make_room`, logged) and the copy is tried once more; ``keep`` is a wish, the
+newest complete checkpoint a must. A persist that is not published (superseded) or fails is logged as a
+warning here and counted and reported by the keeper.
 
 Test hook (the only one): ``ELASTIC_PERSIST_DELAY_S`` (:func:`parse_persist_delay`, ``D`` or ``D@S``)
 pauses every persist of a step >= ``S`` for ``D`` seconds right after the first chunk of the temp file
@@ -15,6 +22,7 @@ Standard library only (the agent never imports torch).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -33,6 +41,8 @@ log = logging.getLogger(__name__)
 PERSIST_DELAY_ENV = "ELASTIC_PERSIST_DELAY_S"
 _COPY_CHUNK = 8 << 20
 _SYNC_EVERY = 256 << 20
+#: The errors of a full disk (or quota), after which room is made and the copy tried once more.
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 #: ``copy(src, dst)``: the copy of one file's bytes, as the keeper runs it (progress, test pause).
 Copy = Callable[[BinaryIO, BinaryIO], None]
@@ -55,7 +65,7 @@ def parse_persist_delay(text: str | None) -> tuple[float, int]:
 @dataclass(frozen=True)
 class Request:
     """A checkpoint to persist: its step, file in memory (a sharded save: the node's data folder, and
-    ``save_id``), target folder and the worker's round."""
+    ``save_id``), target folder, the worker's round and the job's incarnation (the fence's order)."""
 
     step: int
     source: Path
@@ -64,13 +74,16 @@ class Request:
     save_id: str = (
         ""  # a sharded save's (agent.checkpoints.sharded_persist); "" for a replicated checkpoint file
     )
+    incarnation: str = ""  # the job submission's (Assignment.job_incarnation); "" from an older master
 
     @property
     def kind(self) -> str:
         return "sharded" if self.save_id else "file"
 
 
-def sharded_request(step: int, link: Path, target: Path, round_number: int | None) -> Request | None:
+def sharded_request(
+    step: int, link: Path, target: Path, round_number: int | None, incarnation: str = ""
+) -> Request | None:
     """The request for a node's sharded save of ``step``, reported by its ``step_<N>`` ``link`` in memory,
     to persist to ``<target>/sharded``; None when a newer save replaced it meanwhile."""
     try:
@@ -81,17 +94,19 @@ def sharded_request(step: int, link: Path, target: Path, round_number: int | Non
         log.info("sharded checkpoint of step %d was replaced in memory before its persist; skipped", step)
         return None
     source = link.parent / match.group(0)
-    return Request(step, source, target / shard_layout.SHARDED_SUBDIR, round_number, match.group(2))
+    return Request(
+        step, source, target / shard_layout.SHARDED_SUBDIR, round_number, match.group(2), incarnation
+    )
 
 
 def newest_in(folder: Path, last: Request) -> Request | None:
     """The newest checkpoint of ``last``'s kind in the memory ``folder``, to persist where ``last`` went."""
     if last.kind == "sharded":
         saves = shard_layout.committed(folder / shard_layout.SHARDED_SUBDIR)[:1]
-        newest = [Request(s, data, last.target, last.round, sid) for s, sid, data in saves]
+        newest = [Request(s, data, last.target, last.round, sid, last.incarnation) for s, sid, data in saves]
     else:
         files = layout.checkpoint_files(folder)[:1]
-        newest = [Request(s, path, last.target, last.round) for s, path in files]
+        newest = [Request(s, path, last.target, last.round, "", last.incarnation) for s, path in files]
     return newest[0] if newest else None
 
 
@@ -101,11 +116,12 @@ class Outcome:
 
     published: bool = False  # the files are in the target folder
     committed: bool = False  # and the step is complete there: the keeper's persisted step moves
-    superseded: bool = False  # not published: a newer round committed to the folder
+    superseded: bool = False  # not published: a newer round or submission committed to the folder
+    why: str = ""  # why it was superseded (the fence's decision), for the keeper's report
 
 
 def copy(
-    src: BinaryIO, dst: BinaryIO, on_progress: Callable[[], None], pause: Callable[[], None] | None = None
+    src: BinaryIO, dst: BinaryIO, on_progress: Callable[[], None], pause: Callable[[], object] | None = None
 ) -> None:
     """Copy ``src`` to ``dst`` in chunks, calling ``on_progress`` after each and ``pause`` (the test
     hook) after the first."""
@@ -151,7 +167,16 @@ def persist(
     with src:
         request.target.mkdir(parents=True, exist_ok=True)
         final = request.target / request.source.name
-        tmp = layout.write_temp(final, lambda dst: copy(src, dst))
+        size = os.fstat(src.fileno()).st_size
+        if free_bytes(request.target) < size:
+            make_room(request.target, f"{size} bytes needed for step {request.step}")
+        try:
+            tmp = layout.write_temp(final, lambda dst: copy(src, dst))
+        except OSError as exc:
+            if exc.errno not in DISK_FULL or not make_room(request.target, str(exc)):
+                raise
+            src.seek(0)
+            tmp = layout.write_temp(final, lambda dst: copy(src, dst))  # once more; a second failure raises
     if cancel.is_set():  # the stop gave this persist up: publish nothing behind its back
         tmp.unlink(missing_ok=True)
         return Outcome()
@@ -162,12 +187,13 @@ def persist(
         round_=request.round,
         step=request.step,
         keep=keep,
+        incarnation=request.incarnation,
         lock_timeout_s=lock_timeout_s,
         cancel=cancel,
     )
     if not decision.publish:
-        log.info("not persisting the checkpoint of step %d: %s", request.step, decision.why)
-        return Outcome(superseded=True)
+        log.warning("the checkpoint of step %d was not persisted: %s", request.step, decision.why)
+        return Outcome(superseded=True, why=decision.why)
     log.debug(
         "persisted the checkpoint of step %d to %s in %.2fs (%s)",
         request.step,
@@ -182,8 +208,9 @@ def _persist_sharded(
     request: Request, keep: int, copy: Copy, lock_timeout_s: float, cancel: threading.Event
 ) -> Outcome:
     started = time.monotonic()
-    try:
-        outcome = sharded_persist.persist(
+
+    def attempt() -> sharded_persist.Outcome:
+        return sharded_persist.persist(
             request.source,
             request.target,
             step=request.step,
@@ -191,9 +218,18 @@ def _persist_sharded(
             round_=request.round,
             keep=keep,
             copy=copy,
+            incarnation=request.incarnation,
             lock_timeout_s=lock_timeout_s,
             cancel=cancel,
         )
+
+    try:
+        try:
+            outcome = attempt()
+        except OSError as exc:
+            if exc.errno not in DISK_FULL or not make_room_sharded(request.target, request.step, str(exc)):
+                raise
+            outcome = attempt()  # once more; a second failure raises
     except FileNotFoundError:
         log.info(
             "sharded checkpoint of step %d was replaced in memory before its persist; skipped",
@@ -203,8 +239,8 @@ def _persist_sharded(
     if not outcome.published:
         if cancel.is_set():
             return Outcome()
-        log.info("not persisting the sharded checkpoint of step %d: %s", request.step, outcome.why)
-        return Outcome(superseded=True)
+        log.warning("the sharded checkpoint of step %d was not persisted: %s", request.step, outcome.why)
+        return Outcome(superseded=True, why=outcome.why)
     log.debug(
         "persisted this node's part of the sharded checkpoint of step %d to %s in %.2fs%s",
         request.step,
@@ -213,3 +249,82 @@ def _persist_sharded(
         " (the step is complete there)" if outcome.committed else "",
     )
     return Outcome(published=True, committed=outcome.committed)
+
+
+def free_bytes(folder: Path) -> int:
+    """Bytes an unprivileged writer may still write in ``folder``'s file system (unknown: unbounded)."""
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return 1 << 62
+    return stat.f_bavail * stat.f_frsize
+
+
+def make_room(folder: Path, why: str) -> int:
+    """Remove the replicated checkpoints of ``folder`` older than the newest complete one (the one
+    ``latest`` names; none without it), and dead writers' temp files; returns the bytes freed (logged)."""
+    marked = layout.read_marker(folder)
+    newest = layout.step_of(marked.name) if marked is not None and marked.exists() else None
+    freed = layout.remove_temp_files(folder)
+    if newest is not None:
+        for step, path in layout.checkpoint_files(folder):
+            if step < newest:
+                freed += _size(path)
+                path.unlink(missing_ok=True)
+    if freed:
+        log.warning(
+            "%s is short of space (%s): removed checkpoints older than step %s to make room (%d bytes)",
+            folder,
+            why,
+            newest,
+            freed,
+        )
+    return freed
+
+
+def make_room_sharded(root: Path, step: int, why: str) -> int:
+    """The same for the sharded steps of ``root`` (``<ckpt_dir>/sharded``): of the steps before ``step``,
+    only the newest complete one stays; returns the bytes freed (logged)."""
+    before = _tree_size(root)
+    sharded_persist.prune(root, step, keep=1)  # dead writers' temp files go too
+    freed = max(0, before - _tree_size(root))
+    if freed:
+        log.warning(
+            "%s is short of space (%s): removed sharded steps older than the newest complete one (%d bytes)",
+            root,
+            why,
+            freed,
+        )
+    return freed
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _tree_size(root: Path) -> int:
+    total = 0
+    for folder, _, files in os.walk(root):
+        total += sum(_size(Path(folder) / name) for name in files)
+    return total
+
+
+def check_folder(folder: Path) -> str:
+    """Why ``folder`` (``--ckpt-dir``) cannot hold checkpoints, in one line; "" when it can: it exists or
+    can be created, and a probe file can be created and removed there (checked at the agent's start)."""
+    if folder.exists() and not folder.is_dir():
+        return f"{folder} is not a folder"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create {folder}: {exc.strerror or exc}"
+    probe = folder / f".elastic-probe.{layout.host_tag()}.{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe.unlink()
+    except OSError as exc:
+        return f"cannot write to {folder}: {exc.strerror or exc}"
+    return ""

@@ -7,8 +7,11 @@ the node's ranks' data files (``__<rank>_<i>.distcp``, as ``FileSystemWriter`` w
 ``<ckpt_dir>/sharded/.step_<N>.<save id>/`` — into temp files named for their writer (host, pid: a dead
 writer's are swept), fsynced — and then, under the folder's fence lock (:mod:`agent.checkpoints.fence`):
 
-* a persist of an older round than the fence's publishes nothing (its run was abandoned by a restart);
-* it renames its files in, and records its round in the fence;
+* a persist of an older job incarnation, or of an older round of the same incarnation, than the fence's
+  publishes nothing (a resubmitted job's writers supersede the earlier submission's, whatever their round
+  numbers; within a submission a restart abandons the older round's run):
+  :func:`agent.checkpoints.fence.decide`;
+* it renames its files in, and records its round and incarnation in the fence;
 * when the data folder now holds every file of the manifest (the last node to finish sees it), it links
   ``step_<N>`` to it and moves ``latest`` (never backwards): the step is committed, loadable by
   ``elastic.load_sharded`` at any world size (DCP re-shards), with or without an agent;
@@ -25,6 +28,7 @@ Standard library only (the agent never imports torch).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import threading
@@ -66,11 +70,13 @@ def persist(
     round_: int | None,
     keep: int,
     copy: Callable[[BinaryIO, BinaryIO], None],
+    incarnation: str = "",
     lock_timeout_s: float = ckpt_fence.DEFAULT_LOCK_TIMEOUT_S,
     cancel: threading.Event | None = None,
 ) -> Outcome:
-    """Persist the node's memory save ``data`` (step ``step``, ``save_id``, written in round ``round_``)
-    into ``root`` (``<ckpt_dir>/sharded``); ``copy(src, dst)`` copies one file. See the module doc.
+    """Persist the node's memory save ``data`` (step ``step``, ``save_id``, written in round ``round_`` of
+    job ``incarnation``) into ``root`` (``<ckpt_dir>/sharded``); ``copy(src, dst)`` copies one file. See
+    the module doc.
 
     Raises:
         FileNotFoundError: the save was replaced in memory before it could be opened (skip it).
@@ -89,14 +95,16 @@ def persist(
                 raise FileNotFoundError(f"{data} holds no data file")
             target.mkdir(parents=True, exist_ok=True)
             for name, src in sources:
-                temps[name] = layout.write_temp(target / name, lambda dst, src=src: copy(src, dst))
+                temps[name] = layout.write_temp(target / name, functools.partial(copy, src))
         if cancel.is_set():
             return Outcome(False, False, "given up at stop")
         with ckpt_fence.fence_lock(root, lock_timeout_s, cancel) as fd:
             if cancel.is_set():
                 raise ckpt_fence.FenceLockTimeoutError("the keeper gave this persist up (stopping)")
-            fenced = ckpt_fence.read_round(fd)
-            decision = ckpt_fence.decide(round_, step, fenced, sl.latest_step(root))
+            fenced = ckpt_fence.read_fence(fd)
+            decision = ckpt_fence.decide(
+                round_, step, fenced.round, sl.latest_step(root), incarnation, fenced.incarnation
+            )
             if not decision.publish:
                 return Outcome(False, False, decision.why)
             try:
@@ -106,8 +114,9 @@ def persist(
                 # Pruned by another node's commit while this one copied: a newer step is on disk.
                 return Outcome(False, False, f"step {step} was pruned from {root} meanwhile (a newer one)")
             layout.fsync_dir(target)
-            if round_ is not None and (fenced is None or round_ > fenced):
-                ckpt_fence.write_round(fd, round_)
+            new_fence = ckpt_fence.advanced(fenced, round_, incarnation)
+            if new_fence is not None:
+                ckpt_fence.write_fence(fd, new_fence)
             committed = sl.read_manifest(target) is not None and sl.complete_on_disk(target)
             if committed:
                 sl.link_step(root, step, save_id, durable=True)

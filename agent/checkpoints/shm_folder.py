@@ -148,6 +148,26 @@ def release(folder: Path, fd: int) -> None:
     os.close(fd)
 
 
+def keep_unpersisted(folder: Path, fd: int) -> Path:
+    """Keep the folder (its newest checkpoint is not on disk): renamed to ``<root>/elastic-unpersisted-
+    <name>-<pid>`` without its lock file and owner record, so that no later agent takes it over or removes
+    it as a dead agent's (:func:`remove_stale` leaves a folder with neither alone); returns its new path
+    (the folder itself when it cannot be renamed). The user removes it once the checkpoint is copied."""
+    kept = folder.with_name(
+        f"{FOLDER_PREFIX}unpersisted-{folder.name.removeprefix(FOLDER_PREFIX)}-{os.getpid()}"
+    )
+    for name in (OWNER_FILE, LOCK_FILE):
+        with contextlib.suppress(OSError):
+            (folder / name).unlink()
+    try:
+        folder.rename(kept)
+    except OSError as exc:
+        log.warning("cannot rename %s to %s (%s): kept under its own name", folder, kept, exc)
+        kept = folder
+    os.close(fd)
+    return kept
+
+
 def _take_over(folder: Path) -> None:
     """Remove what a dead previous owner left in the folder (all but the lock we now hold)."""
     previous = Owner.read(folder)

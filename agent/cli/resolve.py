@@ -21,6 +21,7 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from agent.checkpoints.persist import check_folder
 from agent.cli import torchrun
 from agent.executor.net import is_local_host, local_address_for
 from agent.settings import AgentSettings
@@ -85,6 +86,9 @@ def resolve(o: dict[str, Any], given: frozenset[str] = frozenset()) -> tuple[Age
     if not standalone and len(masters) == 1 and is_local_host(split_address(masters[0])[0]):
         embed = masters[0]
     tls_ca, tls_cert, tls_key = _tls(o, standalone, embed)
+    ckpt_dir = pathlib.Path(o["ckpt_dir"]).resolve() if o["ckpt_dir"] else None
+    if ckpt_dir is not None and (problem := check_folder(ckpt_dir)):
+        raise click.BadParameter(problem, param_hint="--ckpt-dir")  # before anything starts: exit 2
     settings = AgentSettings(
         argv=argv,
         nproc=nproc,
@@ -99,7 +103,7 @@ def resolve(o: dict[str, Any], given: frozenset[str] = frozenset()) -> tuple[Age
         local_addr=host,
         role=o["role"],
         log_dir=pathlib.Path(o["log_dir"]).resolve() if o["log_dir"] else None,
-        ckpt_dir=pathlib.Path(o["ckpt_dir"]).resolve() if o["ckpt_dir"] else None,
+        ckpt_dir=ckpt_dir,
         ckpt_keep=o["ckpt_keep"],
         replicas=o["replicas"],
         replication_lag=o["replication_lag"],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shlex
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -21,9 +22,11 @@ from agent.settings import AgentSettings
 from elastic.control.addresses import split_address
 from elastic.control.error_table import MasterError, MasterTLSError, MasterUnreachableError
 from elastic.control.listener_rules import MASTER_API, Auth, check_listener
+from elastic.exit_codes import ExitCode
 from elastic.text import printable
 
 if TYPE_CHECKING:
+    from agent.checkpoints.keeper import CheckpointKeeper
     from master.http.serving import EmbeddedMaster  # the web stack is imported only when hosting
 
 log = logging.getLogger(__name__)
@@ -63,7 +66,7 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
         replication.attach(keeper, settings)  # peer replication of sharded memory checkpoints
         agent = ElasticAgent(settings, client, group, channel, worker_env=keeper.worker_env(), keeper=keeper)
         metrics = _serve_metrics(agent, settings)
-        return agent.run()
+        code = agent.run()
     except KeeperError as exc:
         raise AgentError(f"cannot set up the checkpoint shared memory: {exc}") from None
     finally:
@@ -84,6 +87,40 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
             master.stop()
         if agent is not None and agent.failure_summary:
             print(f"elastic-run: job failed: {printable(agent.failure_summary)}", file=sys.stderr, flush=True)
+    return unpersisted_exit(code, keeper)
+
+
+def unpersisted_exit(code: int, keeper: CheckpointKeeper | None) -> int:
+    """The exit code once the keeper stopped: 1 (retryable) instead of 0 when the newest checkpoint asked
+    for is not on disk; then one line per such checkpoint says where its copy was kept and how to persist
+    it (docs/checkpointing.md, "When a persist fails")."""
+    if keeper is None or not keeper.unpersisted or keeper.kept is None:
+        return code
+    kept = keeper.kept
+    why = keeper.persist_status()[1] or "not persisted"
+    for request in keeper.unpersisted:
+        if request.kind == "file":
+            copy = kept / request.source.name
+            how = (
+                f"cp {shlex.quote(str(copy))} {shlex.quote(str(request.target))}/ && "
+                f"echo {request.source.name} > {shlex.quote(str(request.target / 'latest'))} && "
+                f"rm -r {shlex.quote(str(kept))}"
+            )
+        else:  # this node's part of a sharded step: the step is complete once every node's part is in
+            copy = kept / request.source.relative_to(keeper.folder)
+            root, link = request.target, f"step_{request.step:010d}"
+            how = (
+                f"cp -r {shlex.quote(str(copy))} {shlex.quote(str(root))}/ && "
+                f"ln -sfn {copy.name} {shlex.quote(str(root / link))} && "
+                f"echo {link} > {shlex.quote(str(root / 'latest'))} && rm -r {shlex.quote(str(kept))}"
+            )
+        print(
+            f"elastic-run: the checkpoint of step {request.step} is not on disk ({printable(why)}); its copy "
+            f"is kept in {copy}: persist it with: {how}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return int(ExitCode.FAILED) if code == ExitCode.SUCCESS else code
 
 
 def _connect_or_host_master(

@@ -26,6 +26,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from agent.machine.decisions import CHECK_PG_TIMEOUT_S
+from agent.machine.events import HangLike
 from agent.observe.channel import ProgressChannel
 from agent.observe.hang import Hang, HangWatch
 from agent.observe.stackdump import dump_stacks, stack_file_path
@@ -93,7 +94,9 @@ class HangMonitor:
         return hangs
 
 
-def hang_failure(hangs: tuple[Hang, ...], pids: list[int], assignment: Assignment, root: Path) -> FailureInfo:
+def hang_failure(
+    hangs: tuple[HangLike, ...], pids: list[int], assignment: Assignment, root: Path
+) -> FailureInfo:
     """Log the hung workers, record their Python stacks, and name the first one as the root cause."""
     offset = assignment.rank_offset
     for hang in hangs:

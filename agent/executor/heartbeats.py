@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from agent.checkpoints.keeper import CheckpointKeeper
+from agent.checkpoints.keeper import CheckpointKeeper, ReplicationFields
 from agent.executor.health import HangMonitor
 from agent.executor.master_link import MasterLink, OnGiveUp, PollPolicy
 from agent.executor.node_view import NodeView
@@ -51,8 +51,9 @@ def heartbeat_request(
     failure = view.failure
     if failure is not None and view.failed_at is not None:
         failure = failure.model_copy(update={"age_s": max(0.0, now - view.failed_at)})
-    firsts = [p.first_step_at for p in progress.values()]
-    stepped = bool(firsts) and len(firsts) == len(view.pids) and None not in firsts
+    firsts = [t for p in progress.values() if (t := p.first_step_at) is not None]
+    stepped = bool(firsts) and len(firsts) == len(progress) == len(view.pids)  # every worker stepped
+    replication: ReplicationFields = keeper.replication_fields() if keeper else {}
     return HeartbeatRequest(
         node_id=node_id,
         round=view.round,
@@ -65,7 +66,7 @@ def heartbeat_request(
         persist_error=persist_error[-PERSIST_ERROR_MAX:],
         workers_started_age_s=max(0.0, now - view.started_at) if view.started_at is not None else None,
         first_step_age_s=max(0.0, now - max(firsts)) if stepped else None,
-        **(keeper.replication_fields() if keeper else {}),
+        **replication,
     )
 
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 from agent.checkpoints.keeper import CheckpointKeeper
 from agent.errors import AgentError
@@ -69,6 +69,12 @@ from elastic.control.protocol import (
 log = logging.getLogger(__name__)
 
 __all__ = ["LONG_POLL_S", "PERFORMERS", "ElasticAgent", "SignalRouter"]
+
+
+def _exit_of(record: object) -> WorkerExit:
+    """An action's exit record: the machine hands back, unread, the :class:`WorkerExit` this loop put into
+    the ``WorkerExited`` event it decided on (agent.machine.events keeps it opaque)."""
+    return cast(WorkerExit, record)
 
 
 class ElasticAgent:
@@ -210,6 +216,8 @@ class ElasticAgent:
         assignment, s = action.assignment, self.settings
         log.info("%s", round_line(assignment, s.nproc))
         self.assignment = assignment
+        if self.keeper is not None:  # the fence orders this submission's persists after earlier ones'
+            self.keeper.incarnation = assignment.job_incarnation
         root = health.stack_root(s, self.group)
         spec = training_spec(s, assignment, self.channel.path, self.worker_env, action.reset_ckpt, root)
         self.channel.reset(s.nproc)
@@ -286,11 +294,11 @@ class ElasticAgent:
         self.group.stop(self.settings.stop_grace_s)
 
     def _collect_check_result(self, action: ev.CollectCheckResult) -> ev.AgentEvent:
-        return ev.CheckDone(health.read_check_result(self._check_file, action.exit, self.group))
+        return ev.CheckDone(health.read_check_result(self._check_file, _exit_of(action.exit), self.group))
 
     def _report_crash(self, action: ev.ReportCrash) -> ev.AgentEvent:
         return self._report_failure(
-            action.round, self.group.failure_info(action.exit), FailureKind.CRASH, action.seen_at
+            action.round, self.group.failure_info(_exit_of(action.exit)), FailureKind.CRASH, action.seen_at
         )
 
     def _report_broken(self, action: ev.ReportBroken) -> ev.AgentEvent:

@@ -18,7 +18,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _resolve(host: str) -> set[str]:
     try:
-        return {info[4][0] for info in socket.getaddrinfo(host, None)}
+        return {str(info[4][0]) for info in socket.getaddrinfo(host, None)}  # str(): typeshed allows ints
     except OSError:
         return set()
 

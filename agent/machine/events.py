@@ -42,10 +42,14 @@ class EventKind(enum.Enum):
 
 
 class HangLike(Protocol):
-    """What the machine reads of a hang verdict (agent.observe.hang.Hang)."""
+    """What the machine and the hang report read of a hang verdict (agent.observe.hang.Hang, frozen)."""
 
-    reason: str
-    stalled_s: float
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def reason(self) -> str: ...
+    @property
+    def stalled_s(self) -> float: ...
 
 
 @dataclass(frozen=True)

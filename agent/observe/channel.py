@@ -104,7 +104,8 @@ class ProgressChannel:
         """The newest step every local rank has checkpointed (None until all have)."""
         with self._lock:
             steps = [p.ckpt_step for p in self._ranks.values()]
-        return None if not steps or any(s is None for s in steps) else min(steps)
+        known = [s for s in steps if s is not None]
+        return min(known) if steps and len(known) == len(steps) else None
 
     def close(self) -> None:
         self._closed = True

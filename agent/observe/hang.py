@@ -67,7 +67,7 @@ def hung_workers(now: float, timeout_s: float, observations: Iterable[WorkerObse
         return []
     observations = list(observations)
     found: list[tuple[tuple, Hang]] = []
-    stuck_peers: list[WorkerObservation] = []
+    stuck_peers: list[tuple[WorkerObservation, float]] = []  # (observation, seconds stuck)
     for o in observations:
         stuck_s = now - o.stuck_since if o.status in STUCK_STATES and o.stuck_since is not None else None
         idle_s = now - o.advanced_at if o.step is not None else None
@@ -75,7 +75,7 @@ def hung_workers(now: float, timeout_s: float, observations: Iterable[WorkerObse
         idle = idle_s is not None and idle_s >= timeout_s
         if not (stuck or idle):
             if stuck_s is not None:
-                stuck_peers.append(o)
+                stuck_peers.append((o, stuck_s))
             continue
         parts = []
         if idle_s is not None and idle:
@@ -93,8 +93,8 @@ def hung_workers(now: float, timeout_s: float, observations: Iterable[WorkerObse
         hang = Hang(o.local_rank, cause, stalled_s, "; ".join(parts))
         found.append(((cause == "no_progress", -stalled_s, o.local_rank), hang))
     if found:
-        for o in stuck_peers:  # the likely cause of its peers' stall, named although below its timeout
-            stuck_s = now - o.stuck_since
+        # The likely cause of its peers' stall, named although below its timeout.
+        for o, stuck_s in stuck_peers:
             state = "stopped" if o.status in STOPPED_STATES else "in uninterruptible disk sleep"
             cause = "stopped" if o.status in STOPPED_STATES else "disk_sleep"
             reason = f"its process has been {state} for {stuck_s:.1f}s while its peers stalled"

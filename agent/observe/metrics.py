@@ -191,6 +191,17 @@ class AgentCollector(Collector):
             keeper.skipped + keeper.superseded,
         )
         yield self._counter("elastic_agent_persist_failures", "Persists that failed.", keeper.failures)
+        outcomes = self._family(
+            CounterMetricFamily,
+            "elastic_agent_persist_outcomes",
+            "Persist requests by outcome: persisted, skipped (replaced by a newer one before their persist "
+            "began), superseded (not published: a newer round or submission of the job committed to the "
+            "folder), failed.",
+            ("outcome",),
+        )
+        for outcome, count in keeper.outcomes.items():
+            outcomes.add_metric([*self.labels, outcome], count)
+        yield outcomes
         count, total = keeper.persist_seconds
         latency = self._family(
             SummaryMetricFamily, "elastic_agent_persist_seconds", "Time of persists that ended without error."

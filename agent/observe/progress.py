@@ -114,15 +114,15 @@ def sample_agent(agent) -> ProgressSample:
     steps = [p.step for p in progress.values()]
     times = [p.step_time_s for p in progress.values() if p.step_time_s is not None]
     persisted = agent.keeper.persist_status()[0] if agent.keeper is not None else None
-    current = assignment is not None and assignment.round == view.round
+    current = assignment if assignment is not None and assignment.round == view.round else None
     return ProgressSample(
         at=time.monotonic(),
         state=view.state.value,
         round=view.round,
         step=min(steps) if steps and None not in steps else None,
         step_time_s=max(times) if times else None,
-        world_size=assignment.world_size if current else None,
-        nnodes=assignment.nnodes if current else None,
+        world_size=current.world_size if current is not None else None,
+        nnodes=current.nnodes if current is not None else None,
         restarts=assignment.restart_count if assignment is not None else 0,
         max_restarts=assignment.max_restarts if assignment is not None else agent.settings.job.max_restarts,
         ckpt_step=agent.channel.checkpointed_step() if running else None,

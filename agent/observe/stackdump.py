@@ -86,7 +86,7 @@ def _py_spy(pid: int, global_rank: int, stack_file: Path, timeout_s: float) -> S
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(done.stdout)
     except OSError:
-        path = None
+        return StackDump(global_rank, pid, None, "py-spy", done.stdout)
     return StackDump(global_rank, pid, path, "py-spy", done.stdout)
 
 

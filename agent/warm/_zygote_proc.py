@@ -22,6 +22,7 @@ documented in ``agent/warm/starter.py``.
 """
 
 import contextlib
+import functools
 import gc
 import importlib
 import os
@@ -33,6 +34,7 @@ import threading
 import time
 import types
 import warnings
+from typing import Any
 
 if __name__ != "__main__":  # imported in the agent's tree; the zygote runs the bundle as __main__
     from agent.warm._zygote_worker import _Baseline, _become_worker, _set_cmdline
@@ -113,7 +115,8 @@ def _install_store_wait() -> None:
     with torchrun's env contract) listens, and would lose that back-off in most restarts. A connect probe
     every 10 ms makes torch's first attempt succeed; the store ignores a probe that closes at once.
     """
-    rdzv = sys.modules.get("torch.distributed.rendezvous")
+    # torch's module, which the agent's tree never imports: typed Any.
+    rdzv: Any = sys.modules.get("torch.distributed.rendezvous")
     original = getattr(rdzv, "_create_c10d_store", None)
     if original is None:  # torch without distributed support, or a layout we do not know: leave it be
         return
@@ -123,8 +126,8 @@ def _install_store_wait() -> None:
             _wait_for_listener(hostname, port, timeout.total_seconds())
         return original(hostname, port, rank, world_size, timeout, *args, **kwargs)
 
-    _create_c10d_store.__doc__ = original.__doc__
-    _create_c10d_store.__wrapped__ = original
+    # Its doc and __wrapped__ only (the name stays this wrapper's).
+    functools.update_wrapper(_create_c10d_store, original, assigned=("__doc__",), updated=())
     rdzv._create_c10d_store = _create_c10d_store
 
 

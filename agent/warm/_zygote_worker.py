@@ -44,6 +44,7 @@ import sys
 import threading
 import traceback
 import types
+from typing import Any, NoReturn, cast
 
 if __name__ != "__main__":  # imported in the agent's tree; the zygote runs the bundle as __main__
     from agent.warm.zygote_ops import SpawnRequest
@@ -177,14 +178,18 @@ def _reset_process_state(env: dict, base: _Baseline) -> None:
     import random
 
     random.seed()  # also done by random's own at-fork hook; explicit for clarity
-    tempfile = sys.modules.get("tempfile")
-    if tempfile is not None:
+    if sys.modules.get("tempfile") is not None:  # only modules the zygote imported: no import here
+        import tempfile
+
         tempfile.tempdir = None  # recomputed from this worker's TMPDIR on first use
-    mp_process = sys.modules.get("multiprocessing.process")
-    if mp_process is not None:
+    if sys.modules.get("multiprocessing.process") is not None:
+        import multiprocessing.process as mp_process
+
         mp_process.current_process().authkey = os.urandom(32)
-        mp_process.ORIGINAL_DIR = os.path.abspath(os.getcwd())  # taken at its import, in the zygote's cwd
-    dynamo_config = sys.modules.get("torch._dynamo.config")
+        # Taken at its import, in the zygote's cwd.
+        mp_process.ORIGINAL_DIR = os.path.abspath(os.getcwd())  # type: ignore[attr-defined]  # not in typeshed
+    # torch's config module, never imported by the agent: its settings are made at run time (typed Any).
+    dynamo_config: Any = sys.modules.get("torch._dynamo.config")
     if dynamo_config is not None and hasattr(dynamo_config, "default_debug_dir_root"):
         with contextlib.suppress(Exception):
             dynamo_config.debug_dir_root = dynamo_config.default_debug_dir_root()  # from the cwd at import
@@ -208,7 +213,10 @@ def _new_stdio(unbuffered: bool, base: _Baseline) -> None:
         encoding, errors = base.stdio[name]
         buffering = 0 if unbuffered and write else -1
         buf = open(fd, "wb" if write else "rb", buffering=buffering, closefd=False)  # noqa: SIM115
-        raw = buf if buffering == 0 else buf.raw
+        # open() gives the descriptor's FileIO itself when unbuffered, else a buffer over it (typeshed: both
+        # are BinaryIO).
+        buffered = cast("io.BufferedReader | io.BufferedWriter", buf)
+        raw = cast(io.FileIO, buf if buffering == 0 else buffered.raw)
         raw.name = f"<{name}>"
         line_buffering = not unbuffered and (raw.isatty() or fd == 2)
         stream = io.TextIOWrapper(
@@ -219,7 +227,7 @@ def _new_stdio(unbuffered: bool, base: _Baseline) -> None:
             line_buffering=line_buffering,
             write_through=unbuffered,
         )
-        stream.mode = "w" if write else "r"
+        stream.mode = "w" if write else "r"  # type: ignore[misc]  # open() sets it too; stubs: read-only
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
 
@@ -272,7 +280,8 @@ def _prepare_main(req: SpawnRequest):
         sys.path.insert(0, os.getcwd())
 
         def run_module() -> None:
-            runpy._run_module_as_main(target)  # what `python -m` calls (alter_argv=True)
+            # What `python -m` calls (alter_argv=True).
+            runpy._run_module_as_main(target)  # type: ignore[attr-defined]  # private, not in typeshed
 
         return run_module
 
@@ -289,7 +298,7 @@ def _prepare_main(req: SpawnRequest):
         sys.stderr.flush()
         os._exit(2)
     main.__file__ = filename
-    main.__cached__ = None
+    main.__dict__["__cached__"] = None
     main.__loader__ = importlib.machinery.SourceFileLoader("__main__", filename)
 
     def run_script() -> None:
@@ -365,12 +374,12 @@ def _print_exception(error: BaseException, tb) -> None:
         sys.stderr.flush()
 
 
-def _exit(code: int, base: _Baseline) -> None:
+def _exit(code: int, base: _Baseline) -> NoReturn:
     base.py_exit(code)  # finalizes the interpreter and calls exit(code)
     os._exit(code & 0xFF)  # not reached
 
 
-def _exit_by_sigint(base: _Baseline) -> None:
+def _exit_by_sigint(base: _Baseline) -> NoReturn:
     """An uncaught KeyboardInterrupt: finalize, then die by SIGINT (``Py_RunMain``'s ``exit_sigint``)."""
     if base.on_exit is not None and base.raise_ is not None:
         # exit(SIGINT) calls raise(SIGINT) after the interpreter's finalization (which restored SIGINT's

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import threading
 from pathlib import Path
+from typing import TextIO
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ class FilteredLog:
         self.needles = needles
         self._lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "w", encoding="utf-8", errors="replace")  # noqa: SIM115 - close() closes it
+        self._file: TextIO | None = open(path, "w", encoding="utf-8", errors="replace")  # noqa: SIM115 - close() closes it
 
     def matches(self, line: str) -> bool:
         """True when ``line`` contains one of the filter substrings."""

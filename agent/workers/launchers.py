@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
-from typing import BinaryIO, Protocol, cast
+from typing import IO, Protocol, cast
 
 from agent.workers.types import WorkerSpec
 
@@ -34,10 +34,10 @@ class WorkerProcess(Protocol):
     def pid(self) -> int: ...
 
     @property
-    def stdout(self) -> BinaryIO | None: ...
+    def stdout(self) -> IO[bytes] | None: ...
 
     @property
-    def stderr(self) -> BinaryIO | None: ...
+    def stderr(self) -> IO[bytes] | None: ...
 
     def wait(self) -> int:
         """Block until the process exited; its return code (negative: killed by that signal)."""

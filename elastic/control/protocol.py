@@ -277,6 +277,15 @@ class Assignment(_Reply):
         description="The leader term under which the round was closed: a round is identified by "
         "(term, round), so a node never mixes the worlds of two leaders; 0 from masters without terms.",
     )
+    job_incarnation: str = Field(
+        default="",
+        max_length=64,
+        description="The job submission's incarnation: chosen when the job's master creates the job, kept "
+        "across master failovers, new for each submission; later submissions compare greater (a "
+        "fixed-width hex wall-clock time, then a random part). Agents record it with the round in "
+        "--ckpt-dir's fence, so that a resubmitted job's persists supersede the earlier submission's "
+        "whatever the round numbers. Empty from older masters.",
+    )
 
 
 class Outcome(_Reply):

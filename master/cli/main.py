@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import click
 
+from elastic import errors
 from elastic.control import job_settings as ms
 from elastic.control.auth import TokenError, job_token
 from elastic.control.cli_options import job_policy_options, job_settings_from
@@ -34,6 +35,12 @@ log = logging.getLogger(__name__)
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
+class _BadFileError(click.ClickException, errors.UsageError):
+    """A bad file on the command line: exit 2, like a bad flag, with no usage line."""
+
+    exit_code = 2
+
+
 def _check_tls(cert: str | None, key: str | None) -> None:
     """Both TLS files or neither, and usable: checked before the port is bound, as a one-line error."""
     if bool(cert) != bool(key):
@@ -42,9 +49,7 @@ def _check_tls(cert: str | None, key: str | None) -> None:
         try:
             server_context(cert, key)
         except TLSConfigError as exc:
-            error = click.ClickException(str(exc))
-            error.exit_code = 2  # a bad file on the command line, like a bad flag
-            raise error from None
+            raise _BadFileError(str(exc)) from None
 
 
 @click.group(context_settings=CONTEXT, invoke_without_command=True)

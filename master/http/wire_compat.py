@@ -21,7 +21,7 @@ from elastic.control.protocol import PROTOCOL_VERSION, CommandReply, JobStatus, 
 #: Reply type -> the fields revision 1 lacks (a pydantic ``exclude`` spec).
 LACKING_IN_REVISION_1: dict[type[BaseModel], Any] = {
     CommandReply: {"term"},
-    RoundReply: {"assignment": {"term"}},
+    RoundReply: {"assignment": {"term", "job_incarnation"}},
     JobStatus: {"nodes": {"__all__": {"excluded_reason", "readmit_in_s"}}},
 }
 

@@ -393,8 +393,7 @@ class RecoveryTracker:
                 dict(data["seconds"]),
             )
         if round_number is not None:
-            restarting = bool(data) and data["phase"] == "restart"
-            closed_at = float(data["since"]) if restarting else 0.0
+            closed_at = float(data["since"]) if data and data["phase"] == "restart" else 0.0
             self.round = RoundStart(round_number, frozenset(members), closed_at=closed_at)
 
 
@@ -402,7 +401,7 @@ class RecoveryTracker:
 RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 #: Event kinds that are verdicts about a node, with the verdict's kind (a worker failure splits by cause).
-_VERDICTS = {
+_VERDICTS: dict[str, str] = {  # keyed by members: they answer lookups by an event's plain text too
     EventKind.NODE_DEAD: "dead",
     EventKind.NODE_LEFT: "left",
     EventKind.NODE_SUSPECT: "suspect",

@@ -17,6 +17,8 @@ flapping, stragglers and the node check. Views that only read the job are in :mo
 
 from __future__ import annotations
 
+import secrets
+import time
 import uuid
 from collections import deque
 from typing import Any
@@ -35,6 +37,7 @@ from elastic.control.protocol import (
     NodeState,
     Outcome,
     RoundReply,
+    RoundStatus,
     WorkerFailure,
 )
 from elastic.exit_codes import ExitCode
@@ -70,6 +73,8 @@ class Job:
     ) -> None:
         self.settings = settings
         self.master_id = master_id or uuid.uuid4().hex[:12]
+        #: This submission of the job (Assignment.job_incarnation): stored, so that a failover keeps it.
+        self.incarnation = new_incarnation()
         self.rdzv = Rendezvous(settings)
         self.liveness = Liveness(settings.heartbeat_timeout_s)
         self.nodes: dict[str, NodeInfo] = {}
@@ -249,7 +254,7 @@ class Job:
         job's outcome is answered to any caller (``GET /v1/status`` shows it too); anything else needs the
         node's secret."""
         if self.outcome is not None:
-            return RoundReply(status="finished", outcome=self.outcome, round=self.rdzv.round)
+            return RoundReply(status=RoundStatus.FINISHED, outcome=self.outcome, round=self.rdzv.round)
         if node_id not in self.nodes:
             raise UnknownNodeError(f"node {node_id} has not joined job {self.settings.job_id}")
         self.authenticate(self.nodes[node_id], node_secret)
@@ -257,7 +262,9 @@ class Job:
         if self.rdzv.phase is Phase.ACTIVE and current and current.number > after:
             slot = current.slot(node_id)
             if slot is not None:
-                return RoundReply(status="assigned", assignment=assignment(self, slot), round=current.number)
+                return RoundReply(
+                    status=RoundStatus.ASSIGNED, assignment=assignment(self, slot), round=current.number
+                )
         if not self.rdzv.has_joined(node_id) and not self.rdzv.is_member(node_id):
             raise UnknownNodeError(f"node {node_id} is not waiting for a round; join first")
         return None
@@ -477,6 +484,9 @@ class Job:
         self.rdzv.restrict_expected(self.nodes)  # a forming round expects the previous members still known
         self.budget = RestartBudget.restore(settings.max_restarts, data)
         self.round_term = int(data.get("round_term", 0))
+        # A state stored before incarnations keeps the new one: the next round's persists then supersede
+        # the earlier rounds' (which the fence already orders by round), never the other way round.
+        self.incarnation = str(data.get("incarnation") or self.incarnation)
         self.checkpoints = CheckpointProgress(data.get("committed_step"))
         self.outcome = Outcome(**data["outcome"]) if data.get("outcome") else None
         self.succeeded = set(data.get("succeeded", []))
@@ -487,17 +497,19 @@ class Job:
         self._effects = EffectsBuffer()  # stored events are not new; the takeover event below is
         self.goodput = GoodputAccount.restore(data.get("goodput"), now)
         self.stats = JobStats.restore(data.get("stats"))
-        current = self.rdzv.current
-        active = self.rdzv.phase is Phase.ACTIVE and current is not None
+        active = self.rdzv.current if self.rdzv.phase is Phase.ACTIVE else None  # the running round
         self.recovery.restore(
-            data.get("recovery"), current.number if active else None, current.members if active else []
+            data.get("recovery"),
+            active.number if active is not None else None,
+            active.members if active is not None else [],
         )
         self.node_check.restore(data.get("node_check"))
-        self.checkpoints.floor.reset(current.members if active else ())  # reports come with heartbeats
+        # The floor's reports come with heartbeats.
+        self.checkpoints.floor.reset(active.members if active is not None else ())
         # Soft state: the first heartbeat tells; until then, the round's.
         for node_id, node in self.nodes.items():
-            if active and current.has(node_id):
-                node.round = current.number
+            if active is not None and active.has(node_id):
+                node.round = active.number
                 node.state = NodeState.SUCCEEDED if node_id in self.succeeded else NodeState.RUNNING
         self.flapping.restore(data.get("flapping"))
         for node_id in self.nodes:
@@ -932,6 +944,13 @@ class Job:
             self._effects.wake = True
         else:
             self._effects.wake_nodes.add(node_id)
+
+
+def new_incarnation() -> str:
+    """A new job incarnation (``Assignment.job_incarnation``): the wall-clock time in fixed-width hex, so
+    that a later submission compares greater as a string, then a random part (two masters started in the
+    same nanosecond still differ)."""
+    return f"{time.time_ns():016x}-{secrets.token_hex(4)}"
 
 
 def _flap_data(flapped: Exclusion) -> dict[str, Any]:

@@ -274,8 +274,8 @@ class Rendezvous:
         if "expected" in data:  # written by an older release
             self._expected = set(data["expected"])
         else:  # the job narrows it to the nodes it still knows (restrict_expected)
-            forming = self.phase is Phase.OPEN and self.current is not None
-            self._expected = set(self.current.members) if forming else set()
+            forming = self.current if self.phase is Phase.OPEN else None
+            self._expected = set(forming.members) if forming is not None else set()
         self._pending = self._expected - self._joined.keys()
         self.opened_at = now if self.phase is Phase.OPEN else None
         self._min_reached_at = None

@@ -71,6 +71,7 @@ def snapshot_of(job: Job) -> dict[str, Any]:
         ],
         **job.budget.snapshot(),  # restart_count, round_failed
         "round_term": job.round_term,
+        "incarnation": job.incarnation,
         # Soft (not a reason to write), but kept when written: a new leader's first assignments
         # then name a step to restore before heartbeats have reported one.
         "committed_step": job.committed_step,

@@ -13,7 +13,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from elastic.control.protocol import Assignment, JobInfo, JobStatus, NodeStatus, StatusEvent
+from elastic.control.protocol import (
+    Assignment,
+    JobInfo,
+    JobPhase,
+    JobStatus,
+    NodeStatus,
+    NodeView,
+    StatusEvent,
+)
 from elastic.text import printable
 from master.job.rendezvous import Phase, Slot, name_list
 
@@ -37,7 +45,7 @@ def job_status(job: Job, now: float) -> JobStatus:
             NodeStatus(
                 node_id=node.node_id,
                 rank=slot.node_rank if slot and not excluded else None,
-                state="excluded" if excluded else node.state.value,
+                state=NodeView.EXCLUDED if excluded else NodeView(node.state.value),
                 heartbeat_age_s=job.heartbeat_age(node.node_id, now),
                 restarts=node.failures,
                 round=node.round,
@@ -62,7 +70,7 @@ def job_status(job: Job, now: float) -> JobStatus:
             NodeStatus(
                 node_id=flapped.node_id,
                 rank=None,
-                state="excluded",
+                state=NodeView.EXCLUDED,
                 heartbeat_age_s=None,
                 restarts=0,
                 round=0,
@@ -73,9 +81,9 @@ def job_status(job: Job, now: float) -> JobStatus:
             )
         )
     if job.outcome is not None:
-        phase = "succeeded" if job.outcome.succeeded else "failed"
+        phase = JobPhase.SUCCEEDED if job.outcome.succeeded else JobPhase.FAILED
     else:
-        phase = "training" if active else "rendezvous"
+        phase = JobPhase.TRAINING if active else JobPhase.RENDEZVOUS
     return JobStatus(
         job_id=job.settings.job_id,
         master_id=job.master_id,
@@ -133,6 +141,7 @@ def assignment(job: Job, slot: Slot) -> Assignment:
         committed_step=job.committed_step,
         check=job.is_check_round(current.number),
         term=job.round_term,
+        job_incarnation=job.incarnation,
     )
 
 

@@ -13,7 +13,7 @@ A long-poll takes ``client_gone``, an awaitable done when its client disconnecte
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,6 +27,7 @@ from elastic.control.protocol import (
     JoinRequest,
     LeaveRequest,
     RoundReply,
+    RoundStatus,
 )
 from master.job.errors import JobError
 from master.service.service import MasterService
@@ -48,17 +49,17 @@ class _Query(BaseModel):
 class RoundQuery(_Query):
     """The query of ``round`` (``GET /v1/round``)."""
 
-    node_id: str = Field(**NODE_ID_LIMITS)
+    node_id: Annotated[str, Field(**NODE_ID_LIMITS)]
     after: int = Field(default=0, ge=0)
-    timeout: float = Field(default=DEFAULT_POLL_TIMEOUT_S, **TIMEOUT_LIMITS)
+    timeout: Annotated[float, Field(**TIMEOUT_LIMITS)] = DEFAULT_POLL_TIMEOUT_S
 
 
 class WatchQuery(_Query):
     """The query of ``watch`` (``GET /v1/watch``)."""
 
-    node_id: str = Field(**NODE_ID_LIMITS)
+    node_id: Annotated[str, Field(**NODE_ID_LIMITS)]
     round: int = Field(ge=0)
-    timeout: float = Field(default=DEFAULT_POLL_TIMEOUT_S, **TIMEOUT_LIMITS)
+    timeout: Annotated[float, Field(**TIMEOUT_LIMITS)] = DEFAULT_POLL_TIMEOUT_S
     term: int | None = Field(default=None, ge=0)
 
 
@@ -133,7 +134,7 @@ async def next_round(
     )
     if reply is not None:
         return reply
-    return await stored(service, RoundReply(status="waiting", round=service.leading_job().round))
+    return await stored(service, RoundReply(status=RoundStatus.WAITING, round=service.leading_job().round))
 
 
 def beat(service: MasterService, req: HeartbeatRequest, node_secret: str | None) -> CommandReply:
@@ -175,7 +176,9 @@ async def watch(
     reply = await service.long_poll(
         probe, query.timeout, client_gone, lambda: lost(service, node_id, node_secret), key=node_id
     )
-    return reply or await stored(service, service.leading_job().watch(node_id, round_, node_secret, term))
+    if reply is not None:
+        return reply
+    return await stored(service, service.leading_job().watch(node_id, round_, node_secret, term))
 
 
 async def leave(service: MasterService, req: LeaveRequest, node_secret: str | None) -> CommandReply:

@@ -48,7 +48,7 @@ class EventLog:
     def write(self, events: Iterable[Event]) -> int:
         """Append the events newer than :attr:`last_seq` (in order); the number written. A failing disk is
         logged (once until it works again) and counted, never raised: the job goes on without its log."""
-        lines = []
+        lines: list[tuple[int, str]] = []  # (seq, line)
         for event in events:
             if event.seq <= self.last_seq:
                 continue

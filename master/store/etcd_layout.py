@@ -174,11 +174,13 @@ def _expand_slots(items: list[Any]) -> list[dict]:
 
 
 def _parent(data: dict, path: tuple[str, ...]) -> dict | None:
+    parent = data
     for name in path[:-1]:
-        data = data.get(name) if isinstance(data, dict) else None
-        if not isinstance(data, dict):
+        child = parent.get(name) if isinstance(parent, dict) else None
+        if not isinstance(child, dict):
             return None
-    return data
+        parent = child
+    return parent
 
 
 def _detached(snapshot: dict) -> dict:

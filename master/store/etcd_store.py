@@ -277,9 +277,9 @@ class EtcdStore(EtcdTerm, StateStore):
     async def save(self, snapshot: Snapshot) -> None:
         """Write what changed since the last save, in transactions that each check that the leader key
         is still this term's; raise :class:`StoreError` when it is not, or etcd fails."""
-        if not self.leading:
-            raise StoreError(f"not saving the state of job {self.job_id}: this master does not lead it")
         revision, candidate = self._leader_revision, self._candidate or ""
+        if not self.leading or revision is None:  # a term sets its leader key's revision as it begins
+            raise StoreError(f"not saving the state of job {self.job_id}: this master does not lead it")
         try:
             ok = await self._side.run(self._save_records(snapshot, revision, candidate))
         except (aetcd.ClientError, *ec.TRANSIENT) as exc:

@@ -6,7 +6,8 @@ real workers (tests/support/ckpt_loop_worker.py, which saves with ``elastic.save
 * checkpoint reports of 8 ranks all reach an agent that was stopped (SIGSTOP) for 2 s, and the last
   save is on disk when the job ends;
 * a full disk during a persist (a tiny tmpfs in the agent's private mount namespace) shows in
-  ``elastic-master status`` within a heartbeat, with the error.
+  ``elastic-master status`` within a heartbeat, with the error; the agent then exits 1 (its newest
+  checkpoint is not on disk) and keeps the shared-memory copy, saying where.
 
 Waiting is polling with a deadline; the e2e harness kills every process tree it started; each test checks
 that no shared-memory folder of its job is left.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -184,5 +186,13 @@ def test_a_full_disk_during_a_persist_shows_in_master_status_within_a_heartbeat(
     master.wait_for(r"persist_failed: node n1: checkpoint persist failed: step \d+ .*No space left", 10)
 
     stop.touch()
-    assert agent.wait(RUN_TIMEOUT_S) == 0, agent.output()[-4000:]
+    assert agent.wait(RUN_TIMEOUT_S) == 1, agent.output()[-4000:]  # retryable: the newest step is not on disk
+    assert re.search(
+        r"^elastic-run: the checkpoint of step \d+ is not on disk .* its copy is kept in ",
+        agent.output(),
+        re.M,
+    )
+    kept = [p for p in SHM.iterdir() if p.name.startswith(f"elastic-unpersisted-{job}-")]
+    assert len(kept) == 1, kept
+    shutil.rmtree(kept[0])
     assert shm_folders(job) == []

@@ -302,8 +302,19 @@ def play(call: Callable[[str, str | None, dict | None, dict | None], tuple[int, 
             reply = {**reply, "node_secret": "<secret>"}
         if isinstance(reply, dict) and "master_id" in reply:
             reply = {**reply, "master_id": "<master>"}
-        out.append((op, status, reply))
+        out.append((op, status, _masked_incarnation(reply)))
     return out
+
+
+def _masked_incarnation(reply: Any) -> Any:
+    """``reply`` with every ``job_incarnation`` (each master picks its own when it creates the job) masked."""
+    if isinstance(reply, dict):
+        return {
+            k: "<incarnation>" if k == "job_incarnation" else _masked_incarnation(v) for k, v in reply.items()
+        }
+    if isinstance(reply, list):
+        return [_masked_incarnation(v) for v in reply]
+    return reply
 
 
 @pytest.mark.parametrize("revision", [PROTOCOL_VERSION, 1])
