@@ -233,9 +233,11 @@ def shm_folders(job: str) -> list[Path]:
 
 @pytest.fixture
 def jobs() -> Iterator[list[str]]:
-    """Job ids of the test; their shared-memory folders are removed at teardown should the test fail."""
+    """Job ids of the test; their shared-memory folders, and the copies an agent kept of a step it could not
+    persist (``elastic-unpersisted-<job>-...``), are removed at teardown should the test fail."""
     names: list[str] = []
     yield names
     for job in names:
-        for folder in shm_folders(job):
+        kept = [p for p in SHM.iterdir() if p.name.startswith(f"elastic-unpersisted-{job}-")]
+        for folder in shm_folders(job) + kept:
             shutil.rmtree(folder, ignore_errors=True)
