@@ -48,6 +48,9 @@ class AgentSettings:
     job: JobSettings  # the job settings this agent expects (and hosts, when it embeds the master)
     token: str
     node_id: str
+    #: ``node_id`` is elastic-run's default HOSTNAME-PID (no --node-id): the master counts its losses per
+    #: host and address (master.job.flapping), since a restarted agent comes back under a new id.
+    node_id_is_default: bool = False
     #: Master addresses (``HOST:PORT``); empty in standalone mode, where the agent embeds the master.
     masters: tuple[str, ...] = ()
     #: Host an embedded master at this address if none answers there (torchrun's c10d convenience).

@@ -72,3 +72,24 @@ def agent_tmpdir() -> Iterator[Path]:
     folder = Path(tempfile.mkdtemp(prefix="et-"))
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
+
+
+_SHM = Path("/dev/shm")
+
+
+def _kept_copies() -> set[str]:
+    """The copies agents kept of a step they could not persist (``elastic-unpersisted-...``), now."""
+    if not _SHM.is_dir():
+        return set()
+    return {p.name for p in _SHM.iterdir() if p.name.startswith("elastic-unpersisted-")}
+
+
+@pytest.fixture(autouse=True)
+def _remove_kept_copies() -> Iterator[None]:
+    """An agent that ends with its newest step not on disk keeps that step's shared-memory copy for the
+    user on purpose (docs/checkpointing.md). A test whose job ends that way (a master killed for good, a
+    failure injected after the last persist) must not leave the copy behind: remove the copies it made."""
+    before = _kept_copies()
+    yield
+    for name in _kept_copies() - before:
+        shutil.rmtree(_SHM / name, ignore_errors=True)

@@ -1,7 +1,9 @@
 """One persist of a checkpoint from the node's shared memory to disk, as the keeper's thread runs it.
 
-A replicated checkpoint file is copied to a temp file next to its final name (flushed as it goes, see
-:func:`copy`), then committed fenced by the job's incarnation and the worker's round
+A replicated checkpoint file is written to a temp file next to its final name (flushed as it goes, see
+:func:`copy`) in torch's own file format (:func:`torch_source`: the worker's flash file is converted on
+the way, so that ``torch.load(path, weights_only=True)`` reads it without this project), then committed
+fenced by the job's incarnation and the worker's round
 (:mod:`agent.checkpoints.fence`: rename, fsync the folder, move ``latest`` never backwards within a
 submission, prune only older files). A node's sharded save is persisted by
 :mod:`agent.checkpoints.sharded_persist` (the node completing a step commits it). A checkpoint the worker
@@ -30,11 +32,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from agent.checkpoints import fence as ckpt_fence
 from agent.checkpoints import sharded_persist
-from elastic.checkpoint import layout, shard_layout
+from elastic.checkpoint import layout, shard_layout, torch_format
 
 log = logging.getLogger(__name__)
 
@@ -170,13 +172,14 @@ def persist(
         size = os.fstat(src.fileno()).st_size
         if free_bytes(request.target) < size:
             make_room(request.target, f"{size} bytes needed for step {request.step}")
+        source = torch_source(src, request.step)
         try:
-            tmp = layout.write_temp(final, lambda dst: copy(src, dst))
+            tmp = layout.write_temp(final, lambda dst: copy(source(), dst))
         except OSError as exc:
             if exc.errno not in DISK_FULL or not make_room(request.target, str(exc)):
                 raise
-            src.seek(0)
-            tmp = layout.write_temp(final, lambda dst: copy(src, dst))  # once more; a second failure raises
+            # Once more; a second failure raises.
+            tmp = layout.write_temp(final, lambda dst: copy(source(), dst))
     if cancel.is_set():  # the stop gave this persist up: publish nothing behind its back
         tmp.unlink(missing_ok=True)
         return Outcome()
@@ -202,6 +205,37 @@ def persist(
         decision.why,
     )
     return Outcome(published=True, committed=True)
+
+
+def torch_source(src: BinaryIO, step: int) -> Callable[[], BinaryIO]:
+    """What to write for the checkpoint file open as ``src``: a call returns a fresh reader of it, from
+    the start. A flash file (the worker's raw format) becomes a ``torch.save`` file
+    (:mod:`elastic.checkpoint.torch_format`), so that plain ``torch.load(path, weights_only=True)`` reads
+    it without this project; any other file (the worker's ``torch.save`` fallback, a step restored from
+    disk and kept in memory) is torch's format already and is copied as it is. A flash file that cannot
+    be converted (damaged, or written by a newer version) is copied as it is, with a warning:
+    ``elastic.load`` still reads it."""
+
+    def verbatim() -> BinaryIO:
+        src.seek(0)
+        return src
+
+    head = verbatim().read(len(torch_format.FLASH_MAGIC))
+    if not torch_format.is_flash(head):
+        return verbatim
+    try:
+        frame = torch_format.read_frame(src)
+        data_pkl = torch_format.pickle_of(frame)  # what torch's format cannot hold shows before any write
+    except torch_format.NotConvertible as exc:
+        log.warning(
+            "the checkpoint of step %d is persisted in elastic's flash format, which needs elastic.load "
+            "to read (%s)",
+            step,
+            exc,
+        )
+        return verbatim
+    # A cast: the copy only reads its source, and the Reader is a read-only file object.
+    return lambda: cast(BinaryIO, torch_format.Reader(torch_format.torch_file(src, frame, data_pkl)))
 
 
 def _persist_sharded(

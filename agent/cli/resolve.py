@@ -95,6 +95,7 @@ def resolve(o: dict[str, Any], given: frozenset[str] = frozenset()) -> tuple[Age
         job=job,
         token=_token(o["token_file"], job_id, masters),
         node_id=o["node_id"] or f"{socket.gethostname()}-{os.getpid()}",
+        node_id_is_default=not o["node_id"],
         masters=masters,
         host_master_at=None,
         tls_ca=tls_ca,

@@ -39,7 +39,11 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
     from agent.checkpoints.shm_folder import KeeperError
     from agent.warm.starter import WarmLauncher
     from agent.workers.group import Reaper, WorkerGroup
+    from agent.workers.launchers import become_child_subreaper
 
+    # A worker's descendant that starts its own session and loses its parent comes to the agent rather
+    # than to init, so the worker group's stop() ends and reaps it (agent.workers.tree).
+    become_child_subreaper()
     reaper = Reaper()
     # The zygote starts first: importing torch is the longest step of a new node's first worker start,
     # and it runs while this agent imports the rest, finds the master and waits for its round.

@@ -202,6 +202,8 @@ class ElasticAgent:
             store_port=free_port(self.host),
             min_nodes=self.settings.job.min_nodes,
             max_nodes=self.settings.job.max_nodes,
+            # Sent only when true: a master of the previous release, which lacks the field, takes the rest.
+            **({"default_id": True} if self.settings.node_id_is_default else {}),
         )
         try:
             joined = self.link.call(lambda: self.client.join(req), "join")

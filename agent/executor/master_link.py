@@ -39,6 +39,8 @@ from elastic.control.client import (
     MasterRejectedError,
     MasterTLSError,
     MasterUnreachableError,
+    NoLeaderError,
+    describe_answers,
 )
 from elastic.control.error_table import Disposition
 from elastic.control.protocol import Command, CommandReply, JobInfo, RoundReply, RoundStatus
@@ -135,6 +137,9 @@ class MasterLink:
         #: A final refusal a background thread got (e.g. 403: another agent has this node id): the next
         #: call of the main thread fails with it, even while it is retrying.
         self.final_refusal: Rejected | None = None
+        #: What each master address answered in the newest call that none answered as the leader.
+        self.last_answers: dict[str, str] = {}
+        self._standbys_said = False  # the "only standbys answer" line was logged since the last contact
 
     def check_job(self) -> JobInfo:
         """The master's job settings; an :class:`AgentError` when this agent's --nnodes disagrees."""
@@ -154,11 +159,33 @@ class MasterLink:
         """A master answered."""
         self.last_contact = self.clock.monotonic()
         self.tls_trouble.answered()
+        self.last_answers = {}
+        if self._standbys_said:
+            self._standbys_said = False
+            log.info("a job master leads again; the job goes on")
+
+    def unanswered(self, exc: Exception) -> None:
+        """A call that no master answered as the leader: remember what each address said, and say once
+        when every one of them answered 503 not_leader (up and standing by while none leads: an election
+        or a takeover under way, not masters that are gone)."""
+        if not isinstance(exc, NoLeaderError):
+            return
+        self.last_answers = exc.answers
+        if exc.only_standbys and not self._standbys_said:
+            self._standbys_said = True
+            log.warning(
+                "every job master answers 503 not_leader (%s): they stand by and none leads yet; the "
+                "workers keep training while one takes over, for at most --master-timeout %gs",
+                ", ".join(exc.answers),
+                self.settings.master_timeout_s,
+            )
 
     def unreachable(self, generation: int | None = None) -> MasterUnreachable:
         """The event for a failed call: how long no master answered, and the line to stop with."""
         silent = self.clock.monotonic() - self.last_contact
         message = self.tls_trouble.lost(silent, self.settings.master_timeout_s, self.client.addresses)
+        if self.last_answers and self.tls_trouble.reason is None:
+            message += f" (last answers: {describe_answers(self.last_answers)})"
         return MasterUnreachable(silent, message, generation=generation)
 
     # -- the poll loop -------------------------------------------------------------------------------
@@ -228,6 +255,7 @@ class MasterLink:
                 # TLS too: after the first contact, a certificate that stops verifying may be a failover
                 # under way (agent.executor.tls_trouble); the workers train on while it is retried.
                 self.tls_trouble.failed(exc)
+                self.unanswered(exc)
                 delay = backoff.next()
                 if policy.deadline_s is None:
                     post(self.unreachable(tag))

@@ -3,7 +3,9 @@
 This file is run as ``python -I -S -c <this source>`` by :class:`agent.workers.reaper.Reaper`, so it must use
 the standard library only and start fast. Protocol on stdin, one ASCII line per message:
 
-* ``+<pgid>`` — a worker process group to kill if the agent goes away;
+* ``+<pgid>`` or ``+<pgid>:<ticks>`` — a worker process group to kill if the agent goes away; ``ticks``: its
+  leader's start time (``/proc/<pgid>/stat`` field 22): the group is spared when another process holds
+  that PID by then (the worker was reaped and its PID reused: the group of that id is the newcomer's);
 * ``-<pgid>`` — the agent stopped that group itself; forget it;
 * ``=<path>`` — a temp folder of the agent (its progress socket, worker error files) to remove.
 
@@ -19,30 +21,44 @@ import signal
 import time
 
 _SECOND_PASS_DELAY_S = 0.2
+_START_TIME_FIELD = 19  # field 22 of /proc/PID/stat, counted after the ")" that ends the command name
 
 
-def _kill_groups(pgids: set[int]) -> None:
-    for pgid in sorted(pgids):
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), or None when no process holds ``pid``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[_START_TIME_FIELD])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _kill_groups(pgids: dict[int, int | None]) -> None:
+    for pgid, ticks in sorted(pgids.items()):
+        now = start_ticks(pgid)
+        if ticks is not None and now is not None and now != ticks:
+            continue  # the worker's PID is another process's now: so is a group of that id
         # The group may be empty already (or no longer ours): nothing to do then.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
 
 
-def _apply(line: bytes, pgids: set[int], folders: set[str]) -> None:
+def _apply(line: bytes, pgids: dict[int, int | None], folders: set[str]) -> None:
     text = line.strip().decode("ascii", errors="replace")
     if text.startswith("=/"):
         folders.add(text[1:])
         return
-    if len(text) < 2 or not text[1:].isdigit():
+    number, _, ticks = text[1:].partition(":")
+    if not number.isdigit() or (ticks and not ticks.isdigit()):
         return
-    pgid = int(text[1:])
+    pgid = int(number)
     if pgid <= 1:
         # Never killpg(0) (our own group) or killpg(1).
         return
     if text[0] == "+":
-        pgids.add(pgid)
+        pgids[pgid] = int(ticks) if ticks else None
     elif text[0] == "-":
-        pgids.discard(pgid)
+        pgids.pop(pgid, None)
 
 
 def main() -> None:
@@ -50,7 +66,7 @@ def main() -> None:
     # agent's death is exactly the moment this process has work to do.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    pgids: set[int] = set()
+    pgids: dict[int, int | None] = {}
     folders: set[str] = set()
     buffer = b""
     while True:

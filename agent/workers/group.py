@@ -10,7 +10,8 @@ Every worker leads its own process group (and session), so ``stop()`` can signal
 its children. Orphans are prevented in three layers:
 
 1. ``stop()``: SIGTERM (then SIGCONT, so that stopped ones act on it) to each group and to every psutil
-   descendant, a grace period, then SIGKILL;
+   descendant, also one that started its own session and lost its parent (the agent is a child subreaper,
+   so it inherits such a process), a grace period, then SIGKILL;
 2. ``PR_SET_PDEATHSIG=SIGKILL`` in each worker: the kernel kills the worker when the agent dies;
 3. the :class:`~agent.workers.reaper.Reaper` sentinel: kills the workers' whole process groups when the agent
 dies.
@@ -26,6 +27,7 @@ starts fast. Linux only (prctl).
 
 import contextlib
 import logging
+import os
 import shutil
 import subprocess
 import tempfile
@@ -41,7 +43,7 @@ from agent.workers.filtered_log import FilteredLog, open_filtered_logs
 from agent.workers.launchers import ExecLauncher, Launcher, WorkerProcess
 from agent.workers.output import STDERR_TAIL_LINES, RankLabel, start_forwarder
 from agent.workers.reaper import Reaper
-from agent.workers.tree import RunningWorker, end_workers, failure_of
+from agent.workers.tree import ProcessRef, RunningWorker, end_workers, failure_of
 from agent.workers.types import (
     CRASH_SIGNALS,
     FailureInfo,
@@ -215,6 +217,9 @@ class WorkerGroup:
                 old = {w.local_rank: w for w in self._workers}
                 kept = [r for r in range(spec.nprocs) if r in old and old[r].returncode is None]
                 self._workers = [old[r] for r in kept]
+                for r, w in old.items():
+                    if r not in kept and w.ref is not None:
+                        w.ref.close()  # exited: no longer one of the group's workers
                 for w in self._workers:
                     w.rerank(spec.global_ranks[w.local_rank])
                 self._stopping = False
@@ -234,6 +239,10 @@ class WorkerGroup:
             live = [] if self._stopping else [w for w in self._workers if w.returncode is None]
         sent = []
         for w in live:
+            if w.ref is not None:  # never the process that took a reaped worker's PID
+                if w.ref.signal(sig):
+                    sent.append(w.proc.pid)
+                continue
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 w.proc.send_signal(sig)
                 sent.append(w.proc.pid)
@@ -253,8 +262,11 @@ class WorkerGroup:
         """Stop every worker and its descendants; idempotent, and a no-op when nothing runs.
 
         SIGTERM goes to each worker's process group and to every descendant found with psutil (also those
-        that left the group). After up to ``grace_s`` seconds the groups and the surviving descendants get
-        SIGKILL. Then all workers are reaped, unregistered from the reaper, and their output is drained.
+        that left the group, and those the subreaper agent inherited from them). After up to ``grace_s``
+        seconds the groups and the surviving descendants get SIGKILL. Then all workers and the inherited
+        descendants are reaped, unregistered from the reaper, and their output is drained. Only processes
+        the group started or found are signalled, never one that took a reaped one's PID
+        (:class:`~agent.workers.tree.ProcessRef`).
         The exits it causes are not reported to ``on_exit``.
         """
         with self._lifecycle:
@@ -266,7 +278,12 @@ class WorkerGroup:
                 return
             self._stopping = True
             workers = list(self._workers)
-        end_workers(workers, grace_s)
+        # The workers' descendants that the subreaper agent inherited carry the error-file variable in
+        # their initial environment (a warm worker writes its own over the zygote's: agent.warm).
+        end_workers(workers, grace_s, [(ERROR_FILE, str(self._error_dir) + os.sep)])
+        for w in workers:
+            if w.ref is not None:
+                w.ref.close()
         if self._reaper is not None:
             for w in workers:
                 self._reaper.unregister(w.pgid)
@@ -358,6 +375,7 @@ class WorkerGroup:
         if self._reaper is not None:
             self._reaper.register(proc.pid)
         worker = RunningWorker(
+            ref=ProcessRef.of_pid(proc.pid),  # not reaped before its watcher starts: still this worker
             local_rank=local_rank,
             global_rank=global_rank,
             proc=proc,

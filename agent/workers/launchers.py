@@ -24,6 +24,7 @@ from agent.workers.types import WorkerSpec
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _START_TIME_FIELD = 19  # field 22 of /proc/PID/stat, counted after the ")" that ends the command name
 
 
@@ -118,6 +119,24 @@ def make_child_setup(parent_pid: int) -> Callable[[], None] | None:
             os.kill(os.getpid(), sigkill)
 
     return setup
+
+
+def become_child_subreaper() -> bool:
+    """Make this process (the agent) a child subreaper (``PR_SET_CHILD_SUBREAPER``): a descendant whose
+    parent exits is reparented to it rather than to init, so a worker's child that started its own session
+    and lost its parent is still found, stopped with the worker and reaped (:mod:`agent.workers.tree`).
+    False (with a log line) where the kernel refuses or there is no prctl."""
+    prctl = _load_prctl()
+    if prctl is None:
+        return False
+    if prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        logger.warning(
+            "cannot become a child subreaper (%s): a worker's descendant that leaves its session and its "
+            "parent is not stopped with the worker",
+            os.strerror(ctypes.get_errno()),
+        )
+        return False
+    return True
 
 
 @functools.cache

@@ -6,6 +6,9 @@ closes that gap: it is a tiny stdlib-only process connected to the agent by a pi
 worker's process group on spawn and unregisters it after stopping the group; when the pipe reaches EOF (the
 agent exited in any way, including SIGKILL) the reaper SIGKILLs every group still registered and exits.
 
+A group is registered with its leader's start time: a worker reaped while the agent ran, whose PID another
+process took since, is not killed as a group (the newcomer's group, if it leads one, is not the worker's).
+
 Limits: a descendant that leaves its worker's process group (``setsid``) is not covered; a worker killed in
 the microseconds between its fork and its registration relies on PDEATHSIG alone.
 """
@@ -19,6 +22,7 @@ import threading
 from pathlib import Path
 from types import TracebackType
 
+from agent.workers._reaper_proc import start_ticks
 from elastic import errors
 
 logger = logging.getLogger(__name__)
@@ -62,8 +66,10 @@ class Reaper:
         return self._proc.pid
 
     def register(self, pgid: int) -> None:
-        """Ask the sentinel to SIGKILL process group ``pgid`` if the agent goes away."""
-        self._send(f"+{pgid}\n")
+        """Ask the sentinel to SIGKILL process group ``pgid`` if the agent goes away, unless its leader's
+        PID (``pgid``, a live worker now) belongs to another process by then."""
+        ticks = start_ticks(pgid)
+        self._send(f"+{pgid}:{ticks}\n" if ticks is not None else f"+{pgid}\n")
 
     def remove_on_exit(self, folder: str | os.PathLike[str]) -> None:
         """Ask the sentinel to remove the agent's temp ``folder`` when the agent is gone (also after a

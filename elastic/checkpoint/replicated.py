@@ -5,7 +5,8 @@ that the node's agent owns (``ELASTIC_SHM_DIR``, in ``/dev/shm``) and returns; n
 the worker. It is a memory copy of the tensors' bytes into a shared-memory segment that is reused from
 save to save (already faulted in: :mod:`elastic.checkpoint.flash`, :mod:`elastic.checkpoint.segments`),
 in the raw format of :mod:`elastic.checkpoint.flash`; a state that format does not describe falls back to
-``torch.save`` into a new file. The file is written under a temp name and renamed when complete (the rename
+``torch.save`` into a new file, and a state no ``weights_only=True`` load could read back is refused
+(:func:`check_loadable`). The file is written under a temp name and renamed when complete (the rename
 is the commit), so a worker killed mid-save never leaves a torn checkpoint visible, and a worker killed
 right after a save leaves that save behind in the agent's memory. The agent persists it to ``ckpt_dir``
 (default its ``--ckpt-dir``) in the background (see ``agent/checkpoints/keeper.py``). Memory keeps the last
@@ -37,6 +38,7 @@ import errno
 import logging
 import os
 import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +116,8 @@ def save(
     Raises:
         ValueError: no directory configured (disk mode), a negative ``step``, or ``keep < 1``.
         TypeError: ``state`` is not a dict.
+        StateNotLoadableError: ``state`` holds a value no load could read back (a numpy array, an
+            ``argparse.Namespace``...; see :func:`check_loadable`): one line naming its key.
         CheckpointError: the shared-memory folder is too small for the state (the message names the
             size needed and the size available) or is gone, or the background part of the previous
             save (device-to-host copies of GPU state) failed.
@@ -166,6 +170,7 @@ def _flash_save(
 def _disk_save(state: dict[str, Any], step: int, directory: Path, keep: int, rank: int) -> Path | None:
     path = None
     if rank == 0:
+        check_loadable(state)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / layout.step_file_name(step)
         layout.atomic_write(path, lambda f: torch.save({"step": step, "state": state}, f))
@@ -459,17 +464,63 @@ def _write_to_memory(
     try:
         return writer.save(state, step, on_commit)
     except flash.Unsupported as exc:
-        if not _warned_fallback:
-            _warned_fallback = True
-            log.warning("elastic.save: the state holds %s: saving with torch.save (slower)", exc)
+        unsupported = str(exc)
     except segments.NoSpaceError as exc:
         raise _space_error(step, directory, exc.need, exc.free, flash.plan(state).size) from None
     except flash.AsyncSaveError as exc:
         raise CheckpointError(str(exc)) from exc
+    check_loadable(state)  # what torch.save would write but no load could read is refused here
+    if not _warned_fallback:
+        _warned_fallback = True
+        log.warning("elastic.save: the state holds %s: saving with torch.save (slower)", unsupported)
     path = _write_torch_memory_checkpoint(state, step, directory)
     writer.forget_removed()  # the pruned segments' memory goes back now
     on_commit()
     return path
+
+
+class StateNotLoadableError(CheckpointError, TypeError):
+    """A state holds a value that ``torch.load(weights_only=True)``, and so :func:`load`, cannot read back."""
+
+
+def check_loadable(state: dict[str, Any]) -> None:
+    """Refuse a state that no load could read back, naming the first such value's key.
+
+    Checkpoints are loaded with ``weights_only=True`` (by :func:`load` and by a plain ``torch.load`` of a
+    persisted file), which rebuilds tensors, numbers, strings, None, bytes, dtypes, devices, sizes and
+    dicts, lists, tuples and sets of them, plus the types given to ``torch.serialization.add_safe_globals``
+    in this process. Anything else (a numpy array, an ``argparse.Namespace``, a custom object) would save
+    and then fail at restore, when the job's progress depends on it: it is refused at the save instead.
+
+    Raises:
+        StateNotLoadableError: one line naming the key, the type and what to store instead.
+    """
+    allowed = _LOADABLE_LEAVES | {g for g in torch.serialization.get_safe_globals() if isinstance(g, type)}
+    stack: list[tuple[str, Any]] = [("", state)]
+    while stack:
+        path, value = stack.pop()
+        kind = type(value)
+        if kind in _LOADABLE_CONTAINERS:
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend((f"{path}[{key!r}]", item) for key, item in items)
+            if isinstance(value, dict):
+                stack.extend((f"{path} key {key!r}", key) for key in value if type(key) is not str)
+        elif kind in (list, tuple, set):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif kind not in allowed:
+            raise StateNotLoadableError(
+                f"elastic.save: state{path} is of type {kind.__module__}.{kind.__qualname__}, which "
+                "torch.load(weights_only=True) and elastic.load cannot read back; store tensors, numbers, "
+                "strings or containers of them instead (e.g. vars(args), torch.from_numpy(array))"
+            )
+
+
+#: What ``weights_only=True`` rebuilds (torch/_weights_only_unpickler.py), by exact type.
+_LOADABLE_CONTAINERS = frozenset({dict, OrderedDict, Counter})
+_LOADABLE_LEAVES = frozenset(
+    {type(None), bool, int, float, complex, str, bytes, bytearray}
+    | {torch.Tensor, torch.nn.Parameter, torch.dtype, torch.device, torch.Size, torch.layout}
+)
 
 
 def _write_torch_memory_checkpoint(state: dict[str, Any], step: int, directory: Path) -> Path:
@@ -587,8 +638,9 @@ def _raise_if_held(failed_steps: set[int], errors: list[str]) -> None:
 def parse_checkpoint(data: bytes, map_location: Any) -> tuple[dict[str, Any], int]:
     """``(state, step)`` from the bytes of a file written by ``elastic.save``; raises if it is not one.
 
-    A flash file (:mod:`elastic.checkpoint.flash`, recognised by its magic: memory copies, and the disk
-    copies the agent persists byte for byte) or a torch.save file (disk saves without an agent, older runs).
+    A flash file (:mod:`elastic.checkpoint.flash`, recognised by its magic: memory copies, and disk copies
+    persisted by earlier versions) or a torch.save file (what the agent persists now, see
+    :mod:`elastic.checkpoint.torch_format`; disk saves without an agent; older runs).
     Neither runs code: the flash format is JSON plus raw tensor bytes, and torch.save files load with
     ``weights_only=True``, so a checkpoint folder on a shared file system cannot be used to execute code
     in the job.

@@ -12,6 +12,9 @@ from elastic import errors
 
 #: The environment variable that may carry the job's token instead of a token file.
 TOKEN_ENV = "ELASTIC_TOKEN"
+#: The shortest token either command line accepts (bytes): a short token is guessed, even at the rate
+#: limit of wrong tokens (docs/security.md). Created tokens have 43 characters, derived ones 64.
+MIN_TOKEN_BYTES = 16
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +44,8 @@ def job_token(token_file: str | None, *, create: bool = False, warn_loose: bool 
     ``create``: a missing ``token_file`` is created with a random token (``elastic-master``; its
     ``OSError`` propagates). ``warn_loose``: a token file that group or others can access is logged as a
     warning (the agent and the master daemon; an operator's one-shot command keeps its stderr to its one
-    line). Raises :class:`TokenError` for a missing (unless created), unreadable or empty token file.
+    line). Raises :class:`TokenError` for a missing (unless created), unreadable or empty token file, and
+    for a token shorter than :data:`MIN_TOKEN_BYTES` (file or environment).
     """
     if token_file:
         if create and not os.path.exists(token_file):
@@ -49,10 +53,23 @@ def job_token(token_file: str | None, *, create: bool = False, warn_loose: bool 
             log.info("created token file %s (share it with every agent of the job)", token_file)
             return token
         token = read_token_file(token_file)
+        check_token_length(token, f"token file {token_file!r}")
         if warn_loose and (warning := loose_permissions_warning(token_file)):
             log.warning("%s", warning)
         return token
-    return os.environ.get(TOKEN_ENV) or None
+    from_env = os.environ.get(TOKEN_ENV) or None
+    if from_env is not None:
+        check_token_length(from_env, TOKEN_ENV)
+    return from_env
+
+
+def check_token_length(token: str, where: str) -> None:
+    """Raise :class:`TokenError` when ``token`` (from ``where``) is shorter than :data:`MIN_TOKEN_BYTES`."""
+    if len(token.encode()) < MIN_TOKEN_BYTES:
+        raise TokenError(
+            f"the token in {where} has {len(token.encode())} bytes, fewer than {MIN_TOKEN_BYTES}: use a "
+            "longer one (elastic-master --token-file NEW_PATH creates one)"
+        )
 
 
 def loose_permissions_warning(path: str | os.PathLike[str]) -> str | None:

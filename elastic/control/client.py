@@ -94,6 +94,22 @@ class Backoff:
         self._step = self.first
 
 
+class NoLeaderError(MasterUnreachableError):
+    """No master at any address answered as the leader; :attr:`answers`: what each address answered
+    (``503 not_leader``, ``no answer (ConnectTimeout)``...)."""
+
+    def __init__(self, answers: dict[str, str]) -> None:
+        self.answers = dict(answers)
+        super().__init__(f"no job master leads: {describe_answers(answers)}")
+
+    @property
+    def only_standbys(self) -> bool:
+        """Every address answered 503 not_leader: masters that are up and stand by while none leads (an
+        election or a takeover under way), not absent ones."""
+        standby = f"503 {ErrorCode.NOT_LEADER.value}"
+        return bool(self.answers) and all(a == standby for a in self.answers.values())
+
+
 class MasterClient:
     """Typed calls of the master's ``/v1`` API."""
 
@@ -173,8 +189,8 @@ class MasterClient:
         # Unset optional fields stay out: a master of an older release refuses fields it does not know (a
         # heartbeat's ``term``), and their absence means the default.
         content = body.model_dump_json(exclude_unset=True) if body is not None else None
-        last: Exception | None = None
         tls_failure: str | None = None
+        answers: dict[str, str] = {}  # address -> what it answered, while none leads
         count = len(self.addresses)
         for i in range(count):
             index = (self._preferred + i) % count
@@ -183,11 +199,11 @@ class MasterClient:
                     index, method, path, op, content, params, secret, timeout=timeout, wait=wait
                 )
             except (httpx.TransportError, StreamError) as exc:
-                last = exc
+                answers[self.addresses[index]] = f"no answer ({type(exc).__name__})"
                 tls_failure = tls_failure or self._tls_failure(exc, self.addresses[index], timeout)
                 continue
             if status == 503:  # a standby master (or one stepping down, or at its cap): try the next address
-                last = MasterRejectedError(503, ErrorCode.NOT_LEADER, _text(payload))
+                answers[self.addresses[index]] = f"503 {_rejection(503, payload).code}"
                 continue  # a stream to a standby stays open: it is the way in when that one leads
             self._preferred = index
             if self._streams is not None:
@@ -200,9 +216,7 @@ class MasterClient:
                 raise MasterError(f"unexpected reply from master at {self.addresses[index]}: {exc}") from None
         if tls_failure is not None:
             raise MasterTLSError(tls_failure)
-        raise MasterUnreachableError(
-            f"no job master answered at {', '.join(self.addresses)} ({type(last).__name__}: {last})"
-        )
+        raise NoLeaderError(answers)
 
     def _exchange(
         self,
@@ -323,6 +337,11 @@ class MasterClient:
     def readmit(self, node_id: str) -> ReadmitReply:
         """Lift ``node_id``'s exclusion for flapping (the operator's command)."""
         return self._call("POST", f"/nodes/{quote(node_id, safe='')}/readmit", ReadmitReply)
+
+
+def describe_answers(answers: dict[str, str]) -> str:
+    """``A: 503 not_leader; B: no answer (ConnectTimeout)``: what each master address answered."""
+    return "; ".join(f"{address}: {answer}" for address, answer in answers.items())
 
 
 def _text(payload: Any) -> str:

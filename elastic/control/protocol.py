@@ -74,8 +74,10 @@ def valid_host(text: str) -> bool:
 
 
 class _Model(BaseModel):
-    # Unknown fields are rejected so that typos in requests surface as 422 instead of being ignored.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Unknown fields are rejected so that typos in requests surface as 422 instead of being ignored. NaN and
+    # infinities (which Python's JSON parser accepts) are refused too: a NaN step time or age would poison
+    # the master's aggregates (medians, straggler scores, recovery phases) and its JSON replies.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class _Reply(BaseModel):
@@ -228,6 +230,11 @@ class JoinRequest(_Model):
         ge=1, description="The agent's view of the job size, checked against the master's."
     )
     max_nodes: int = Field(ge=1)
+    default_id: bool = Field(
+        default=False,
+        description="The node id is elastic-run's default, HOSTNAME-PID (new at every agent start): the "
+        "master counts this node's losses per host name and address rather than per id.",
+    )
 
     @field_validator("host")
     @classmethod

@@ -18,14 +18,18 @@ import click
 
 from elastic.control.listener_rules import MASTER_METRICS, Auth, check_listener
 from master.service.event_log import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
-from master.service.settings import DEFAULT_HEADER_TIMEOUT_S, ServerSettings
+from master.service.settings import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_UNAUTHENTICATED_PER_ADDRESS,
+    ServerSettings,
+)
 from master.store.base import MemoryStore, StateStore, StoreError
 
 log = logging.getLogger(__name__)
 
 
 def connection_options(command: Callable) -> Callable:
-    """Add ``--max-connections`` and ``--header-timeout``."""
+    """Add ``--max-connections``, ``--header-timeout`` and ``--max-unauthenticated-per-address``."""
     options = [
         click.option(
             "--max-connections",
@@ -40,8 +44,18 @@ def connection_options(command: Callable) -> Callable:
             type=click.FloatRange(min=0, min_open=True),
             default=DEFAULT_HEADER_TIMEOUT_S,
             show_default=True,
-            help="Close a new connection that has not sent a complete request head within this many "
-            "seconds (requests in flight, long-polls included, are never cut).",
+            help="Close a connection whose request head (the first, or one begun after a keep-alive) or "
+            "request body is not complete within this many seconds of its start (requests in flight, "
+            "long-polls included, are never cut).",
+        ),
+        click.option(
+            "--max-unauthenticated-per-address",
+            type=click.IntRange(min=1),
+            default=DEFAULT_UNAUTHENTICATED_PER_ADDRESS,
+            show_default=True,
+            help="Connections one source address may hold before they present the job's token; one more "
+            "is answered 503 busy. Agents behind one NAT share an address: each connection counts only "
+            "until its stream is open (docs/security.md).",
         ),
     ]
     for option in reversed(options):
@@ -52,7 +66,10 @@ def connection_options(command: Callable) -> Callable:
 def connection_settings(settings: ServerSettings, opts: dict) -> ServerSettings:
     """``settings`` with the connection options."""
     return dataclasses.replace(
-        settings, max_connections=opts["max_connections"], header_timeout_s=opts["header_timeout"]
+        settings,
+        max_connections=opts["max_connections"],
+        header_timeout_s=opts["header_timeout"],
+        unauthenticated_per_address=opts["max_unauthenticated_per_address"],
     )
 
 

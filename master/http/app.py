@@ -36,7 +36,7 @@ from elastic.control.protocol import (
     RoundReply,
 )
 from master.http.errors import ApiError, http_status
-from master.http.gatekeeper import Gatekeeper, bearer_token
+from master.http.gatekeeper import Gatekeeper
 from master.http.metrics import MetricsPortOnly, add_metrics_route
 from master.http.openapi import install as install_openapi
 from master.http.rate_limits import PeerFailureLimiter
@@ -77,6 +77,15 @@ ClientProtocol = Annotated[
         "master leaves out of its replies the fields an older revision does not know.",
     ),
 ]
+
+
+def _why(cause: BaseException | None) -> str:
+    """Why a body could not be parsed, in a few words (the cause of FastAPI's 400)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return "it is not UTF-8 text"
+    if isinstance(cause, RecursionError):
+        return "it is nested too deeply"
+    return f"{type(cause).__name__}: {cause}"[:200] if cause is not None else "it could not be parsed"
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:
@@ -139,9 +148,10 @@ def create_app(service: MasterService) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def _undecodable(request: Request, exc: HTTPException) -> Response:
-        # FastAPI answers a JSON body that is not UTF-8 with a bare 400: it is malformed JSON like any other.
+        # FastAPI answers a body its JSON parser failed on other than by a syntax error (bytes that are not
+        # UTF-8, nesting too deep for the parser) with a bare 400: it is malformed JSON like any other.
         if exc.status_code == 400:
-            return _error(422, ErrorCode.INVALID_REQUEST, "body is not valid JSON: it is not UTF-8 text")
+            return _error(422, ErrorCode.INVALID_REQUEST, f"body is not valid JSON: {_why(exc.__cause__)}")
         return await http_exception_handler(request, exc)  # unknown path or method: FastAPI's answer
 
     job = service.leading_job
@@ -223,11 +233,12 @@ def create_app(service: MasterService) -> FastAPI:
         reply = ReadmitReply(node_id=node_id, message=f"node {node_id} re-admitted")
         return await api_ops.stored(service, reply)
 
-    add_metrics_route(app, service, bearer_token)  # GET /metrics, behind the token (master/http/metrics.py)
-    install_ui(app, service)  # GET /ui: the status page, behind a login form (master/http/ui.py)
+    # Wrong tokens per address, counted alike by the gate, the stream, /metrics and /ui/login.
+    failures = PeerFailureLimiter()
+    add_metrics_route(app, service, failures)  # GET /metrics, behind the token (master/http/metrics.py)
+    install_ui(app, service, failures)  # GET /ui: the status page, behind a login form (master/http/ui.py)
     if service.settings.metrics_port is not None:
         app.add_middleware(MetricsPortOnly, port=service.settings.metrics_port)
-    failures = PeerFailureLimiter()  # wrong tokens per address, counted by the gate and the stream alike
     app.add_middleware(Gatekeeper, token=token, job_id=job_id, failures=failures)
     # The agent stream's endpoint, for the connection protocol (master.http.serving gives it to
     # master.http.conn_guard).

@@ -1,25 +1,29 @@
-"""The master's guard against running out of file descriptors (docs/operations.md, "Open files and
-connections"):
+"""The master's guard against running out of file descriptors and against slow or hostile clients
+(docs/operations.md, "Open files and connections"; docs/security.md, "Slow and hostile clients"):
 
 - :func:`raise_open_file_limit`: at start, the soft ``RLIMIT_NOFILE`` goes up to the hard limit.
 - A connection cap, :func:`connection_cap` (the soft limit less :data:`RESERVED_FDS`): a connection beyond
-  it first evicts the oldest connection that has not sent a request yet; when every connection is busy
-  with requests, the new one is answered ``503 busy`` and closed at once (agents retry 5xx), so connections
-  never pile up unaccepted.
-- A first-request timeout: a connection that has not sent a complete request head within
-  ``header_timeout_s`` is closed. The keep-alive timeout starts only after a first response, so a
-  connection that never sends a request would otherwise stay forever. A request in flight (a long-poll) is
-  never cut; between two requests the keep-alive rule applies (master.http.connection). Under TLS the
-  handshake, before any request, gets the same time (``ssl_handshake_timeout`` of the listener,
-  master.http.serving; asyncio's default is 60 s).
+  it first evicts the oldest connection that has not presented a valid token yet (nor finished the agent
+  stream's upgrade), whatever it is doing; when every connection is authenticated, the new one is answered
+  ``503 busy`` and closed at once (agents retry 5xx), so connections never pile up unaccepted.
+- A per-address cap on unauthenticated connections (``--max-unauthenticated-per-address``, default
+  :data:`DEFAULT_UNAUTHENTICATED_PER_ADDRESS`): one more from an address that holds that many is answered
+  ``503 busy``. Authenticated connections (an agent's stream, a request with the job's token, a signed-in
+  status page) are never counted per address: many agents behind one NAT share an address.
+- Deadlines (kept by master.http.connection): every request head must be complete within
+  ``header_timeout_s`` of its first byte (of the connection's opening, for the first request), and every
+  request body within ``header_timeout_s`` of its head; a connection that misses one is closed. Between two
+  requests the keep-alive timeout applies; a request in flight (a long-poll, whose head and body arrived) is
+  never cut. Under TLS the handshake, before any request, gets the same time (``ssl_handshake_timeout`` of
+  the listener, master.http.serving; asyncio's default is 60 s).
 - Out-of-descriptor errors (``accept()`` failing with EMFILE, an application error with EMFILE) are logged
   at most once per :data:`master.http.rate_limits.LOG_INTERVAL_S`, with the count of suppressed ones.
 
-:class:`ConnectionGuard` holds the cap and the timers; the master's own connection protocol
-(master.http.connection.HttpConnection) calls it when a connection is made, when its first request head is
-parsed and when it closes. An agent stream (master.http.stream) takes its connection's place
-(:meth:`ConnectionGuard.hand_over`): it stays counted (and under the cap) until it closes, and is never
-closed as idle."""
+:class:`ConnectionGuard` holds the caps; the master's own connection protocol
+(master.http.connection.HttpConnection) calls it when a connection is made, when a request proves the token
+(:func:`mark_authenticated`, through the request's scope), when a deadline passes and when it closes. An
+agent stream (master.http.stream) takes its connection's place (:meth:`ConnectionGuard.hand_over`): it
+stays counted (and under the cap) until it closes, authenticated, and is never closed as idle."""
 
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from typing import Any, Protocol
 from elastic.control.error_table import ErrorCode
 from elastic.control.protocol import ErrorBody
 from master.http.rate_limits import LogLimiter
-from master.service.settings import DEFAULT_HEADER_TIMEOUT_S
+from master.service.settings import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_UNAUTHENTICATED_PER_ADDRESS
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,18 @@ UNLIMITED_TARGET = 1 << 20
 #: errno values that mean "out of descriptors or kernel memory": logged by :func:`resource_exhausted`.
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 DOCS_HINT = "docs/operations.md, 'Open files and connections'"
+#: The request scope's key whose value, called, marks the request's connection authenticated
+#: (:func:`mark_authenticated`); set by master.http.connection.
+AUTHENTICATED_SCOPE_KEY = "elastic.authenticated"
+
+
+def mark_authenticated(scope: Any) -> None:
+    """The request of ``scope`` presented the job's token (or a valid status-page session): its
+    connection is no longer evicted first nor counted against its address (a no-op outside this master's
+    own listener, e.g. under a test client)."""
+    mark = scope.get(AUTHENTICATED_SCOPE_KEY)
+    if mark is not None:
+        mark()
 
 
 @dataclass(frozen=True)
@@ -128,10 +144,8 @@ def resolve_cap(limit: FileLimit, max_connections: int | None) -> int:
     return cap
 
 
-def _busy_reply(cap: int) -> bytes:
-    body = ErrorBody(
-        error=ErrorCode.BUSY, message=f"the master serves its maximum of {cap} connections; retry later"
-    ).model_dump_json()
+def _busy_reply(message: str) -> bytes:
+    body = ErrorBody(error=ErrorCode.BUSY, message=message).model_dump_json()
     return (
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\nretry-after: 1\r\n\r\n{body}"
@@ -151,14 +165,26 @@ class GuardedConnection(Protocol):
 
 class ConnectionGuard:
     """The state shared by a server's connections: the connections served now (under the cap), the
-    first-request timeout, and the connections still waiting for their first request, oldest first."""
+    deadlines' length, and the connections not authenticated yet, oldest first, with their count per
+    address."""
 
-    def __init__(self, cap: int, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> None:
-        self.cap, self.header_timeout_s = cap, header_timeout_s
+    def __init__(
+        self,
+        cap: int,
+        header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+        per_address: int = DEFAULT_UNAUTHENTICATED_PER_ADDRESS,
+    ) -> None:
+        self.cap, self.header_timeout_s, self.per_address = cap, header_timeout_s, per_address
         #: Every connection served now, an agent stream included (the server shuts each down).
         self.connections: set[GuardedConnection] = set()
-        self._waiting: OrderedDict[GuardedConnection, asyncio.TimerHandle] = OrderedDict()
-        self._busy = _busy_reply(cap)
+        #: Connections that have not presented a valid token, oldest first, with their peer's address.
+        self._unauthenticated: OrderedDict[GuardedConnection, str] = OrderedDict()
+        self._by_address: dict[str, int] = {}
+        self._busy = _busy_reply(f"the master serves its maximum of {cap} connections; retry later")
+        self._busy_address = _busy_reply(
+            f"this address holds {per_address} connections that presented no valid token yet "
+            "(--max-unauthenticated-per-address); retry later"
+        )
         self._log_limiter = LogLimiter()
         self._emptied: asyncio.Future[None] | None = None
         #: How many connections the guard closed, by reason (``/metrics``).
@@ -169,49 +195,69 @@ class ConnectionGuard:
         """Connections served now (``/metrics``)."""
         return len(self.connections)
 
-    def admit(self, connection: GuardedConnection) -> bool:
-        """Whether a new connection may be served: under the cap, or once the oldest connection without a
-        request is closed to make room. Otherwise it is to be answered 503 ``busy`` (:meth:`refuse`)."""
+    @property
+    def unauthenticated(self) -> int:
+        """Connections that have not presented a valid token yet (``/metrics``)."""
+        return len(self._unauthenticated)
+
+    def admit(self, connection: GuardedConnection, peer: str = "") -> bool:
+        """Whether a new connection from address ``peer`` may be served: its address holds fewer than
+        ``per_address`` unauthenticated connections, and the server is under the cap or the oldest
+        unauthenticated connection is closed to make room. Otherwise it is to be answered 503 ``busy``
+        (:meth:`refuse`)."""
+        if self._by_address.get(peer, 0) >= self.per_address:
+            self.closed["refused"] += 1
+            self._note(
+                f"answered 503 busy a connection from {peer}, which holds {self.per_address} "
+                "unauthenticated connections (--max-unauthenticated-per-address)"
+            )
+            return False
         if len(self.connections) < self.cap:
             return True
-        if self._waiting:
-            oldest, timer = self._waiting.popitem(last=False)
-            timer.cancel()
+        if self._unauthenticated:
+            oldest = next(iter(self._unauthenticated))
+            self._forget(oldest)
             oldest.close()
             self.closed["evicted"] += 1
-            self._note("evicted the oldest connection that had sent no request")
+            self._note("evicted the oldest connection that had presented no valid token")
             return True
         self.closed["refused"] += 1
         self._note("answered a new connection 503 busy")
         return False
 
-    def refuse(self, transport: asyncio.BaseTransport) -> None:
-        """Answer a connection :meth:`admit` refused 503 ``busy`` and close it (never counted)."""
+    def refuse(self, transport: asyncio.BaseTransport, peer: str = "") -> None:
+        """Answer a connection from ``peer`` that :meth:`admit` refused 503 ``busy`` and close it (never
+        counted)."""
         if isinstance(transport, asyncio.WriteTransport):
-            transport.write(self._busy)
+            at_address_cap = self._by_address.get(peer, 0) >= self.per_address
+            transport.write(self._busy_address if at_address_cap else self._busy)
         transport.close()
 
-    def opened(self, connection: GuardedConnection) -> None:
-        """Count an admitted connection, and close it unless its first request head arrives in time."""
+    def opened(self, connection: GuardedConnection, peer: str = "") -> None:
+        """Count an admitted connection from ``peer``: unauthenticated until :meth:`authenticated`."""
         self.connections.add(connection)
-        timer = asyncio.get_running_loop().call_later(self.header_timeout_s, self._expire, connection)
-        self._waiting[connection] = timer
+        self._unauthenticated[connection] = peer
+        self._by_address[peer] = self._by_address.get(peer, 0) + 1
 
-    def request_started(self, connection: GuardedConnection) -> None:
-        """A whole request head arrived on ``connection``: no first-request timer, never evicted."""
-        timer = self._waiting.pop(connection, None)
-        if timer is not None:
-            timer.cancel()
+    def authenticated(self, connection: GuardedConnection) -> None:
+        """``connection`` presented the job's token: never evicted first, not counted per address."""
+        self._forget(connection)
+
+    def timed_out(self, connection: GuardedConnection) -> None:
+        """A deadline of ``connection`` (a request head or body not complete in time) passed: close it."""
+        self.closed["timed_out"] += 1
+        connection.close()
 
     def hand_over(self, old: GuardedConnection, new: GuardedConnection) -> None:
-        """``new`` serves the connection ``old`` served (the agent stream's upgrade): counted once."""
-        self.request_started(old)
+        """``new`` serves the connection ``old`` served (the agent stream's upgrade, which checked the
+        token): counted once, authenticated."""
+        self._forget(old)
         self.connections.discard(old)
         self.connections.add(new)
 
     def release(self, connection: GuardedConnection) -> None:
         """``connection`` closed: no longer counted."""
-        self.request_started(connection)  # forget its timer, if still waiting
+        self._forget(connection)
         self.connections.discard(connection)
         if not self.connections and self._emptied is not None and not self._emptied.done():
             self._emptied.set_result(None)
@@ -222,16 +268,20 @@ class ConnectionGuard:
             self._emptied = asyncio.get_running_loop().create_future()
             await self._emptied
 
-    def _expire(self, connection: GuardedConnection) -> None:
-        if self._waiting.pop(connection, None) is not None:
-            self.closed["timed_out"] += 1
-            connection.close()
+    def _forget(self, connection: GuardedConnection) -> None:
+        peer = self._unauthenticated.pop(connection, None)
+        if peer is not None:
+            left = self._by_address[peer] - 1
+            if left:
+                self._by_address[peer] = left
+            else:
+                del self._by_address[peer]
 
     def _note(self, what: str) -> None:
         suppressed = self._log_limiter.admit()
         if suppressed is not None:
             more = f"; {suppressed} more such events since the last line" if suppressed else ""
-            log.warning("at the connection cap (%d): %s (%s%s)", self.cap, what, DOCS_HINT, more)
+            log.warning("at a connection cap (%d in all): %s (%s%s)", self.cap, what, DOCS_HINT, more)
 
 
 def resource_exhausted(exc: BaseException | None) -> bool:

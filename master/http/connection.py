@@ -2,9 +2,9 @@
 app of master.http.app), under the connection guard (master.http.conn_guard); ``GET /v1/stream`` with the
 stream's upgrade hands the connection to the agent stream (master.http.stream).
 
-Why the master speaks HTTP/1.1 itself, over h11, instead of through uvicorn: the guard acts before any
-request reaches an application (admitted or answered 503 when the connection is made, a timer until the
-first request head, eviction of the oldest connection that sent none), and the agent stream takes over a
+Why the master speaks HTTP/1.1 itself, over h11, instead of through uvicorn: the guard acts before any request
+reaches an application (admitted or answered 503 when the connection is made, a deadline for every request
+head and body, eviction of the oldest connection that presented no token), and the agent stream takes over a
 connection after a plain HTTP request (101 to a protocol of its own). ASGI has hooks for neither: its only
 upgrade is WebSocket (a different wire), and an application sees a connection only with its first request.
 uvicorn's public API (``Config``, ``Server.serve(sockets=...)``) takes listening sockets, not a connection
@@ -12,8 +12,8 @@ someone else accepted and read, so doing both with uvicorn meant replacing its p
 constructor and hooks are private and change between its releases. h11 is what uvicorn itself used here: a
 public, sans-I/O HTTP/1.1 parser with a stable API; around it this module keeps what uvicorn's h11 protocol
 did for this master (keep-alive between requests, request bodies with flow control, 100-continue, HEAD, the
-disconnect a long-poll waits for, 400 on a malformed request, 500 when the application fails), in the
-ASGI 3 interface the app already speaks. The listener, the lifespan and the shutdown are master.http.serving.
+disconnect a long-poll waits for, 400 on a malformed request, 500 when the application fails), in the ASGI 3
+interface the app already speaks. The listener, the lifespan and the shutdown are master.http.serving.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from urllib.parse import unquote
 
 import h11
 
-from master.http.conn_guard import ConnectionGuard
+from master.http.conn_guard import AUTHENTICATED_SCOPE_KEY, ConnectionGuard
 
 if TYPE_CHECKING:
     from master.http.stream import StreamEndpoint
@@ -94,6 +94,8 @@ class HttpConnection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self._exchange: _Exchange | None = None
         self._keep_alive: asyncio.TimerHandle | None = None
+        #: The deadline of the request head or body being received (conn_guard's header_timeout_s).
+        self._deadline: asyncio.TimerHandle | None = None
         self._refused = False
         self._reading_paused = False
         self.writable = asyncio.Event()
@@ -103,14 +105,16 @@ class HttpConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        if not self.guard.admit(self):
+        self.client = _address(transport.get_extra_info("peername"))
+        peer = self.client[0] if self.client is not None else ""
+        if not self.guard.admit(self, peer):
             self._refused = True  # never counted as a connection of the server
-            self.guard.refuse(transport)
+            self.guard.refuse(transport, peer)
             return
         self.server = _address(transport.get_extra_info("sockname"))
-        self.client = _address(transport.get_extra_info("peername"))
         self.scheme = "https" if transport.get_extra_info("sslcontext") is not None else "http"
-        self.guard.opened(self)
+        self.guard.opened(self, peer)
+        self._arm_deadline()  # the first request head: a connection that sends none is closed too
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -124,12 +128,19 @@ class HttpConnection(asyncio.Protocol):
             return
         self.guard.release(self)
         self._stop_keep_alive()
+        self._stop_deadline()
         exchange = self._exchange
         if exchange is not None:
             if not exchange.response_complete:
                 exchange.disconnected = True
             exchange.wake()
         self.writable.set()  # a send waiting for the peer to read returns (disconnected)
+        # Break the reference cycles through this connection (its exchange's back reference, the scope's
+        # authentication callback): freed by reference counting now, not at the daemon's next full
+        # collection (master.service.gc_pacing: every 10 minutes), which a flood of short-lived
+        # connections would otherwise pile up for.
+        self._exchange = None
+        self.scope = {}
 
     def pause_writing(self) -> None:
         self.writable.clear()
@@ -145,7 +156,7 @@ class HttpConnection(asyncio.Protocol):
 
     def shutdown(self) -> None:
         """The server stops: close now when no request is in flight, else once it is answered."""
-        if self._exchange is None or self._exchange.response_complete:
+        if self._exchange is None or self._exchange.response_complete or not self._exchange.started:
             self.close()
         else:
             self._exchange.keep_alive = False
@@ -170,6 +181,12 @@ class HttpConnection(asyncio.Protocol):
                 log.debug("invalid HTTP request from %s: %s", self.client, exc)
                 return self._bad_request()
             if event is h11.NEED_DATA:
+                # A head or body under way has a deadline: one byte of a next request head on a kept-alive
+                # connection, or a trickled body, holds the connection no longer than a first request.
+                if self._deadline is None:
+                    their = self.conn.their_state
+                    if their is h11.SEND_BODY or (their is h11.IDLE and self.conn.trailing_data[0]):
+                        self._arm_deadline()
                 return
             if event is h11.PAUSED:  # a pipelined request, or an upgrade the app answered: after the reply
                 return self._pause_reading()
@@ -184,13 +201,17 @@ class HttpConnection(asyncio.Protocol):
                         self._pause_reading()
                     exchange.wake()
             elif isinstance(event, h11.EndOfMessage):
+                self._stop_deadline()  # the whole request arrived
                 if self.conn.our_state is h11.DONE:  # answered before the body ended: next request
                     self._resume_reading()
                     self.conn.start_next_cycle()
                     continue
-                if self._exchange is not None:
-                    self._exchange.more_body = False
-                    self._exchange.wake()
+                exchange = self._exchange
+                if exchange is not None:
+                    exchange.more_body = False
+                    exchange.wake()
+                    if not exchange.started:  # a small body, held until complete: the app starts now
+                        self._start(exchange)
                 if self.conn.their_state is h11.MUST_CLOSE:
                     return
             else:  # h11.ConnectionClosed: the peer is done
@@ -198,7 +219,7 @@ class HttpConnection(asyncio.Protocol):
 
     def _request(self, event: h11.Request) -> bool:
         """Serve a request whose head arrived; True when the agent stream took the connection."""
-        self.guard.request_started(self)  # a request came: the first-request timer is done
+        self._stop_deadline()  # the head arrived in time (its body, if any, gets a deadline of its own)
         self._stop_keep_alive()
         self.headers = list(event.headers)  # h11 gives names lower-case
         raw_path, _, query = event.target.partition(b"?")
@@ -216,6 +237,7 @@ class HttpConnection(asyncio.Protocol):
             "query_string": query,
             "headers": self.headers,
             "state": dict(self.context.state),
+            AUTHENTICATED_SCOPE_KEY: self._authenticated,
         }
         # The agent stream is the only upgrade this master makes; any other request, Upgrade header or not,
         # goes to the app as a plain request (h11 then refuses the switch when the reply is not a 101).
@@ -225,10 +247,18 @@ class HttpConnection(asyncio.Protocol):
             return True
         exchange = _Exchange(self, self.scope)
         self._exchange = exchange
+        # A small body (a heartbeat, a login form) is read whole before the app starts: a client that
+        # trickles it, or never finishes it, costs a buffer until its deadline, not an application call
+        # in flight (tens of KiB each). Large, chunked or 100-continue bodies stream to the app as before.
+        if not _small_body(event) or self.conn.they_are_waiting_for_100_continue:
+            self._start(exchange)
+        return False
+
+    def _start(self, exchange: _Exchange) -> None:
+        exchange.started = True
         task = asyncio.get_running_loop().create_task(exchange.run(self.context.app))
         self.context.tasks.add(task)
         task.add_done_callback(self.context.tasks.discard)
-        return False
 
     def _bad_request(self) -> None:
         transport = self.transport
@@ -258,6 +288,23 @@ class HttpConnection(asyncio.Protocol):
             self.conn.start_next_cycle()
             self._handle_events()
 
+    def _authenticated(self) -> None:
+        self.guard.authenticated(self)
+
+    def _arm_deadline(self) -> None:
+        self._stop_deadline()
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.call_later(self.guard.header_timeout_s, self._deadline_passed)
+
+    def _deadline_passed(self) -> None:
+        self._deadline = None
+        self.guard.timed_out(self)
+
+    def _stop_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
     def _keep_alive_expired(self) -> None:
         self._keep_alive = None
         self.close()
@@ -278,6 +325,14 @@ class HttpConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
 
+def _small_body(request: h11.Request) -> bool:
+    """Whether ``request`` declares a body of 1 to :data:`HIGH_WATER_BYTES` bytes (``content-length``)."""
+    for name, value in request.headers:
+        if name == b"content-length":
+            return value.isdigit() and 0 < int(value) <= HIGH_WATER_BYTES
+    return False
+
+
 class _Exchange:
     """One request and its response: the ASGI ``receive`` and ``send`` of the app's call."""
 
@@ -293,6 +348,8 @@ class _Exchange:
         self.keep_alive = True
         self.response_started = False
         self.response_complete = False
+        #: Whether the app was called (a small body is read whole first).
+        self.started = False
         self.waiting_for_100_continue = self.conn.they_are_waiting_for_100_continue
         self._message = asyncio.Event()
 
@@ -308,6 +365,9 @@ class _Exchange:
             raise
         except Exception as exc:
             method, path = self.scope["method"], self.scope["path"]
+            if self.disconnected:  # the client went away (or missed a deadline) while the app read its body
+                log.debug("%s %s: the client disconnected (%s)", method, path, type(exc).__name__)
+                return
             log.error("the master failed to serve %s %s", method, path, exc_info=exc)
             if not self.response_started:
                 await self._internal_error()

@@ -2,7 +2,10 @@
 before routing, so that an unauthenticated client learns nothing about request validation. An address
 that keeps sending wrong tokens is answered 429 at once (:class:`master.http.rate_limits.PeerFailureLimiter`);
 every refusal closes the connection, so a client without the token holds none open. The token and job
-check is :func:`check_access`, which the agent stream's upgrade (master.http.stream) applies too."""
+check is :func:`check_access`, which the agent stream's upgrade (master.http.stream) applies too; the token
+check alone, with the same per-address count, is :func:`check_token`, which ``/metrics`` and ``/ui/login``
+apply (master.http.metrics, master.http.ui). A request that passes marks its connection authenticated
+(master.http.conn_guard.mark_authenticated): never evicted first nor counted per address."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from elastic.control.protocol import (
     MAX_BODY_BYTES,
     ErrorBody,
 )
+from master.http.conn_guard import mark_authenticated
 from master.http.rate_limits import PeerFailureLimiter
 
 T = TypeVar("T")
@@ -53,6 +57,7 @@ class Gatekeeper:
         refusal = check_access(headers, peer, self.token, self.job_id, self.failures)
         if refusal is not None:
             return await _reply(send, refusal.status, refusal.code, refusal.message, list(refusal.headers))
+        mark_authenticated(scope)
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
             return await _reply(send, 413, ErrorCode.BODY_TOO_LARGE, self._too_large())
@@ -88,25 +93,36 @@ def check_access(
     refusal: 401 (a wrong or missing token, counted against ``peer``), 429 when ``peer`` sent too many
     wrong tokens lately (never for a valid token), 409 ``wrong_job``. No I/O: the HTTP gate and the agent
     stream's upgrade both answer what it says."""
-    if not secrets.compare_digest(bearer_token(headers.get(b"authorization", b"")), token):
-        if failures.blocked(peer):  # a valid token never gets here: only wrong ones are limited
-            return AccessRefusal(
-                429,
-                ErrorCode.UNAUTHORIZED,
-                "too many requests with a wrong bearer token from this address; check --token-file",
-                ((b"retry-after", str(int(failures.window_s)).encode()),),
-            )
-        failures.record_failure(peer)
-        return AccessRefusal(
-            401,
-            ErrorCode.UNAUTHORIZED,
-            "missing or wrong bearer token; check --token-file",
-            ((b"www-authenticate", b'Bearer realm="elastic-master"'),),
-        )
+    refusal = check_token(bearer_token(headers.get(b"authorization", b"")), peer, token, failures)
+    if refusal is not None:
+        return refusal
     job = headers.get(_JOB_HEADER, b"").decode(errors="replace")
     if job != job_id:
         return AccessRefusal(409, ErrorCode.WRONG_JOB, f"this master serves job {job_id!r}, not {job!r}")
     return None
+
+
+def check_token(
+    given: bytes, peer: str, token: bytes, failures: PeerFailureLimiter
+) -> AccessRefusal | None:
+    """None when ``given`` is ``token`` (compared in constant time); else 401 (counted against ``peer``),
+    or 429 when ``peer`` sent too many wrong tokens lately (never for a valid token)."""
+    if secrets.compare_digest(given, token):
+        return None
+    if failures.blocked(peer):  # a valid token never gets here: only wrong ones are limited
+        return AccessRefusal(
+            429,
+            ErrorCode.UNAUTHORIZED,
+            "too many requests with a wrong bearer token from this address; check --token-file",
+            ((b"retry-after", str(int(failures.window_s)).encode()),),
+        )
+    failures.record_failure(peer)
+    return AccessRefusal(
+        401,
+        ErrorCode.UNAUTHORIZED,
+        "missing or wrong bearer token; check --token-file",
+        ((b"www-authenticate", b'Bearer realm="elastic-master"'),),
+    )
 
 
 def refusal_response(refusal: AccessRefusal) -> bytes:

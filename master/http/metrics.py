@@ -12,9 +12,8 @@ docs/observability.md.
 from __future__ import annotations
 
 import itertools
-import secrets
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,6 +30,9 @@ from prometheus_client.registry import Collector
 
 from elastic.control.error_table import ErrorCode
 from elastic.control.protocol import ErrorBody, NodeState
+from master.http.conn_guard import mark_authenticated
+from master.http.gatekeeper import bearer_token, check_token
+from master.http.rate_limits import PeerFailureLimiter
 from master.job.accounting import PHASES, RECOVERY_BUCKETS, Histogram
 from master.job.events import CAUSES
 from master.job.rendezvous import Phase
@@ -120,10 +122,17 @@ def _connection_metrics(guard: Any, job_id: str) -> Iterator[Metric]:
     yield from _gauge(
         "elastic_master_connections_max", "Connections served at most (--max-connections).", guard.cap, job_id
     )
+    yield from _gauge(
+        "elastic_master_connections_unauthenticated",
+        "Connections open now that have presented no valid token yet.",
+        guard.unauthenticated,
+        job_id,
+    )
     closed = CounterMetricFamily(
         "elastic_master_connections_closed",
-        "Connections the master closed to save descriptors: evicted (sent no request, at the cap), refused "
-        "(503 busy at the cap), timed_out (no request within --header-timeout).",
+        "Connections the master closed to save descriptors: evicted (presented no valid token, at the "
+        "cap), refused (503 busy at the cap or at --max-unauthenticated-per-address), timed_out (a request "
+        "head or body not complete within --header-timeout).",
         labels=["job_id", "reason"],
     )
     for reason, count in guard.closed.items():
@@ -292,9 +301,10 @@ def _per_node(name: str, doc: str, values: dict[str, float], job_id: str) -> Met
     return family
 
 
-def add_metrics_route(app: FastAPI, service: Any, bearer_token: Callable[[bytes], bytes]) -> None:
+def add_metrics_route(app: FastAPI, service: Any, failures: PeerFailureLimiter) -> None:
     """Serve ``GET /metrics`` on ``app``, behind the job's token (``Authorization: Bearer``; no job
-    header, which Prometheus cannot send). ``bearer_token`` parses the header (the server's)."""
+    header, which Prometheus cannot send), with the gate's count of wrong tokens per address
+    (``failures``: 429 after as many as ``/v1`` allows)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(JobCollector(service))
     token = service.settings.token.encode()
@@ -302,14 +312,16 @@ def add_metrics_route(app: FastAPI, service: Any, bearer_token: Callable[[bytes]
     @app.get(METRICS_PATH, response_class=Response, summary="Prometheus metrics (text format)")
     async def metrics(request: Request) -> Response:
         given = bearer_token(request.headers.get("authorization", "").encode())
-        if not secrets.compare_digest(given, token):
-            why = "missing or wrong bearer token; check --token-file"
-            body = ErrorBody(error=ErrorCode.UNAUTHORIZED, message=why)
+        peer = request.client.host if request.client is not None else ""
+        refusal = check_token(given, peer, token, failures)
+        if refusal is not None:
+            body = ErrorBody(error=refusal.code, message=refusal.message)
             return JSONResponse(
-                status_code=401,
+                status_code=refusal.status,
                 content=body.model_dump(),
-                headers={"www-authenticate": 'Bearer realm="elastic-master"'},
+                headers={k.decode(): v.decode() for k, v in refusal.headers},
             )
+        mark_authenticated(request.scope)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 

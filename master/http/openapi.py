@@ -155,7 +155,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         )
     ),
     # Prometheus sends the token but no job header: the route checks the token itself, no gate.
-    ("get", "/metrics"): Operation((UNAUTHORIZED,)),
+    ("get", "/metrics"): Operation((UNAUTHORIZED, WRONG_TOKENS)),
     # The status page (master/http/ui.py): a login form sets a session cookie that only /ui accepts.
     ("get", "/ui"): Operation(answers=(TO_LOGIN,), security="session"),
     ("get", "/ui/login"): Operation(security="public"),
@@ -163,6 +163,13 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         answers=(
             Answer(303, "signed in: a redirect to the page, with the session cookie", headers=("Location",)),
             Answer(401, "wrong token: the form again", "text/html"),
+            Answer(
+                429,
+                f"{FAILURE_LIMIT} wrong tokens from this address within {FAILURE_WINDOW_S:g} s (counted"
+                " with /v1 and /metrics): the form again, refused until the window passes",
+                "text/html",
+                headers=("Retry-After",),
+            ),
             Answer(403, "the form's CSRF value does not match its cookie: the form again", "text/html"),
             Answer(413, "the form is over 4096 bytes or has more than 4 fields", "text/plain"),
         ),

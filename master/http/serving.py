@@ -253,7 +253,7 @@ def _master_server(app: FastAPI, settings: ServerSettings, service: MasterServic
     install_log_filter()
     limit = raise_open_file_limit()
     cap = resolve_cap(limit, settings.max_connections)
-    guard = ConnectionGuard(cap, settings.header_timeout_s)
+    guard = ConnectionGuard(cap, settings.header_timeout_s, settings.unauthenticated_per_address)
     # TLS 1.2+, and a one-line error for a bad file (elastic.control.tls).
     context = None
     if settings.tls_cert and settings.tls_key:

@@ -237,6 +237,9 @@ class StreamConnection(asyncio.Protocol):
             frame = json.loads(line)
         except ValueError as exc:  # UnicodeDecodeError included
             return self._refuse(0, 422, ErrorCode.INVALID_REQUEST, f"frame is not valid JSON: {exc}")
+        except RecursionError:  # nesting deeper than the parser's recursion limit: refused, not a crash
+            message = "frame is not valid JSON: nested too deeply"
+            return self._refuse(0, 422, ErrorCode.INVALID_REQUEST, message)
         call_id = frame.get("id") if type(frame) is dict else None
         if type(call_id) is not int or call_id < 1:
             message = 'a frame is a JSON object with an integer "id" of at least 1'

@@ -5,7 +5,8 @@ Access is behind the job's token, without putting the token in a URL or giving i
 
 * ``GET /ui/login`` serves a form with a CSRF token, also set as an HttpOnly, SameSite=Strict cookie;
   ``POST /ui/login`` accepts the job token when both CSRF values match (a cross-site form carries no
-  SameSite=Strict cookie), and sets the session cookie.
+  SameSite=Strict cookie), and sets the session cookie. Wrong tokens count against the address as on
+  ``/v1`` (master.http.gatekeeper.check_token): after as many, the form answers 429 until the window passed.
 * The session cookie (``elastic_ui_session``: HttpOnly, SameSite=Strict, ``Path=/ui``, Secure under TLS)
   is an expiry time signed with a key derived from the job token (HMAC-SHA256): every master of the job
   (standbys too) accepts it, and a new token invalidates every session.
@@ -32,6 +33,9 @@ from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from elastic.control.error_table import ErrorCode
 from elastic.control.protocol import ErrorBody, JobStatus
+from master.http.conn_guard import mark_authenticated
+from master.http.gatekeeper import check_token
+from master.http.rate_limits import PeerFailureLimiter
 
 UI_PREFIX = "/ui"
 SESSION_COOKIE = "elastic_ui_session"
@@ -109,8 +113,9 @@ class SecurityHeaders:
         return await self.app(scope, receive, send_secured)
 
 
-def install_ui(app: FastAPI, service) -> None:
-    """Add the status page's routes to ``app`` (the master of ``service``, a :class:`MasterService`)."""
+def install_ui(app: FastAPI, service, failures: PeerFailureLimiter) -> None:
+    """Add the status page's routes to ``app`` (the master of ``service``, a :class:`MasterService`);
+    ``failures``: the gate's count of wrong tokens per address, which the login form shares."""
     app.add_middleware(SecurityHeaders)
     settings = service.settings
     sessions = Sessions(settings.token, settings.job.job_id)
@@ -122,7 +127,10 @@ def install_ui(app: FastAPI, service) -> None:
     }
 
     def signed_in(request: Request) -> bool:
-        return sessions.valid(request.cookies.get(SESSION_COOKIE))
+        if sessions.valid(request.cookies.get(SESSION_COOKIE)):
+            mark_authenticated(request.scope)  # a signed-in page's connection is not evicted first
+            return True
+        return False
 
     def login_form(message: str = "", status: int = 200) -> Response:
         csrf = secrets.token_urlsafe(32)
@@ -162,8 +170,17 @@ def install_ui(app: FastAPI, service) -> None:
         if not cookie_csrf or not hmac.compare_digest(sent_csrf.encode(), cookie_csrf.encode()):
             return login_form("The form expired or came from another site; log in again.", 403)
         token = (form.get("token") or [""])[0].strip()
-        if not hmac.compare_digest(token.encode(), settings.token.encode()):
+        peer = request.client.host if request.client is not None else ""
+        refusal = check_token(token.encode(), peer, settings.token.encode(), failures)
+        if refusal is not None:
+            if refusal.status != 401:  # 429: too many wrong tokens from this address lately
+                why = "Too many wrong tokens from this address; wait and retry."
+                limited = login_form(why, refusal.status)
+                for name, value in refusal.headers:
+                    limited.headers[name.decode()] = value.decode()
+                return limited
             return login_form("Wrong token.", 401)
+        mark_authenticated(request.scope)
         response = RedirectResponse(UI_PREFIX, status_code=303)
         response.set_cookie(
             SESSION_COOKIE,

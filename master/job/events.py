@@ -73,6 +73,7 @@ class EventKind(_Text):
     STRAGGLER_CLEARED = "straggler_cleared"
     MASTER_TAKEOVER = "master_takeover"
     MASTER_STALLED = "master_stalled"
+    MASTER_SUSPECTED = "master_suspected"  # it heard nothing from most nodes at once: holds, resigns
 
 
 class Cause(_Text):

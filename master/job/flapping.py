@@ -2,6 +2,12 @@
 place more than ``limit`` times in it, re-admit it after a cool-down or by an operator. Pure: no I/O, time
 is ``now`` (the master's clock, which reads Unix time: :func:`master.service.service.unix_monotonic`).
 
+Losses are counted per node id, except for an agent whose id is elastic-run's default, ``HOSTNAME-PID``:
+it gets a new id at every start, so a crash loop there never repeats an id. Its losses are counted per host
+name and advertised address instead (:func:`flap_key`: ``HOSTNAME@ADDRESS``), and an exclusion refuses
+every default-id agent of that host and address. Agents given ``--node-id`` are counted per id only:
+several of them may run on one host (tests, the chaos harness, two slurmd on one machine).
+
 A *loss* (a flap) is a dead verdict for the id, or a new agent replacing the id's previous one before the
 master declared it dead (its agent restarted). A node that is not a member of the running round still
 counts: a crash-looping agent that never makes it into a round is as disruptive (every join of it reopens
@@ -15,7 +21,7 @@ the counters and the exclusions.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from elastic.control.job_settings import JobSettings
 
@@ -38,6 +44,14 @@ class FlapPolicy:
         return self.limit > 0
 
 
+def flap_key(node_id: str, address: str, default_id: bool) -> str:
+    """What a node's losses are counted under: its id, or for a default id (``HOSTNAME-PID``, see the
+    module docstring) ``HOSTNAME@ADDRESS`` with the address it advertises."""
+    if not default_id:
+        return node_id
+    return f"{node_id.rsplit('-', 1)[0]}@{address}"
+
+
 @dataclass(frozen=True)
 class Exclusion:
     """A node excluded for flapping: ``count`` losses within the window ending ``since``, until ``until``."""
@@ -50,6 +64,15 @@ class Exclusion:
     limit: int
     host: str = ""
     nproc: int = 0
+    #: ``node_id`` is a :func:`flap_key` ``HOSTNAME@ADDRESS``: every default-id agent there is excluded.
+    by_host: bool = False
+
+    @property
+    def who(self) -> str:
+        """Who is excluded, in words."""
+        if self.by_host:
+            return f"the agents with default node ids (HOSTNAME-PID) at {self.node_id}"
+        return f"node {self.node_id}"
 
     def reason(self) -> str:
         """Why, in a few words (the status view's reason)."""
@@ -60,9 +83,10 @@ class Exclusion:
 
     def message(self, job_id: str) -> str:
         """The line a refused agent exits with: why, until when, and the operator's command."""
+        verb, lost, its = ("are", "they were", "their") if self.by_host else ("is", "it was", "its")
         return (
-            f"node {self.node_id} is excluded from job {job_id} for flapping: it was lost {self.count} "
-            f"times within {self.window_s:g}s (more than --flap-limit {self.limit}); its joins are refused "
+            f"{self.who} {verb} excluded from job {job_id} for flapping: {lost} lost {self.count} "
+            f"times within {self.window_s:g}s (more than --flap-limit {self.limit}); {its} joins are refused "
             f"until {clock_time(self.until)}, or until an operator runs 'elastic-master readmit "
             f"{self.node_id} --job-id {job_id} --master ADDR --token-file FILE'"
         )
@@ -81,10 +105,12 @@ class FlapCounter:
     losses: dict[str, list[float]] = field(default_factory=dict)
     excluded: dict[str, Exclusion] = field(default_factory=dict)
 
-    def note(self, node_id: str, now: float, host: str = "", nproc: int = 0) -> Exclusion | None:
-        """Count one loss of ``node_id`` at ``now``; the :class:`Exclusion` when it makes more than
-        ``limit`` within the window (the count then starts afresh), else None. Nothing while off, and
-        nothing for an id already excluded."""
+    def note(
+        self, node_id: str, now: float, host: str = "", nproc: int = 0, by_host: bool = False
+    ) -> Exclusion | None:
+        """Count one loss of ``node_id`` (a :func:`flap_key`; ``by_host`` when it is a default id's) at
+        ``now``; the :class:`Exclusion` when it makes more than ``limit`` within the window (the count
+        then starts afresh), else None. Nothing while off, and nothing for a key already excluded."""
         policy = self.policy
         if not policy.enabled or node_id in self.excluded:
             return None
@@ -96,6 +122,8 @@ class FlapCounter:
         exclusion = Exclusion(
             node_id, len(times), now, now + policy.cooldown_s, policy.window_s, policy.limit, host, nproc
         )
+        if by_host:
+            exclusion = replace(exclusion, by_host=True)
         self.excluded[node_id] = exclusion
         return exclusion
 

@@ -50,8 +50,16 @@ from master.job.errors import (
     UnknownNodeError,
 )
 from master.job.events import Cause, Effects, EffectsBuffer, Event, EventKind, restore_events
-from master.job.flapping import Exclusion, FlapCounter, FlapPolicy, clock_time
-from master.job.liveness import JoinKind, Liveness, hash_secret, judge_join, matches, new_secret
+from master.job.flapping import Exclusion, FlapCounter, FlapPolicy, clock_time, flap_key
+from master.job.liveness import (
+    JoinKind,
+    Liveness,
+    SelfSuspicion,
+    hash_secret,
+    judge_join,
+    matches,
+    new_secret,
+)
 from master.job.node_check import NodeCheck
 from master.job.progress import CheckpointProgress, NodeInfo, describe_failure
 from master.job.rendezvous import Candidate, Phase, Rendezvous, name_list
@@ -97,6 +105,8 @@ class Job:
         self.goodput = GoodputAccount(started_at=now)
         self.recovery = RecoveryTracker()
         self.stats = JobStats()
+        #: A leader's suspicion of its own network (master.job.liveness.SelfSuspicion; its incident durable).
+        self.suspicion = SelfSuspicion()
         self._version = 0
         self._effects = EffectsBuffer()
         #: Replies shared by every node (:meth:`_command_reply`): frozen models, built once.
@@ -159,6 +169,8 @@ class Job:
         if node_id in self.node_check.excluded:
             return self.node_check.excluded[node_id]
         flapped = self.flapping.excluded.get(node_id)
+        if flapped is None and (node := self.nodes.get(node_id)) is not None and node.default_id:
+            flapped = self.flapping.excluded.get(_flap_key_of(node))  # its host's default-id agents
         return flapped.message(self.settings.job_id) if flapped is not None else None
 
     def is_alive(self, node_id: str, now: float) -> bool:
@@ -198,6 +210,8 @@ class Job:
         self._readmit_expired(now)
         if (excluded := self.exclusion(req.node_id)) is not None:
             raise NodeExcludedError(excluded)
+        if req.default_id and (by_host := self.flapping.excluded.get(flap_key(req.node_id, req.host, True))):
+            raise NodeExcludedError(by_host.message(s.job_id))  # a new id of an excluded crash loop
         if self.outcome is not None:
             # Nothing left to take part in, so no credential: the agent learns the outcome from /v1/round.
             return JoinReply(round=self.rdzv.round, master_id=self.master_id, node_secret="")
@@ -220,7 +234,7 @@ class Job:
             )
             self._wake(req.node_id)  # the previous agent's pending long-polls: its secret is void
             # Its agent restarted before the dead verdict: a loss like that verdict (master.job.flapping).
-            if (flapped := self.flapping.note(req.node_id, now, node.host, node.nproc)) is not None:
+            if (flapped := self._note_loss(node, now)) is not None:
                 self._remove(
                     req.node_id, self._flap_line(flapped), EventKind.NODE_FLAPPING_EXCLUDED, now, flapped
                 )
@@ -230,9 +244,11 @@ class Job:
         if node is None:
             node = self.nodes[req.node_id] = NodeInfo(req.node_id, req.host, req.nproc)
         node.host, node.nproc, node.state = req.host, req.nproc, NodeState.WAITING
+        node.default_id = req.default_id
         node.joined_at = now
         node.secret_hash = hash_secret(secret)
         self.liveness.beat(req.node_id, now)
+        self.suspicion.heard(req.node_id)
         self.rdzv.join(Candidate(req.node_id, req.host, req.nproc, req.store_port, now), now)
         if kind is not JoinKind.REJOIN or was_member:
             joined = f"node {req.node_id} ({req.host}, {req.nproc} workers) joined"
@@ -284,6 +300,7 @@ class Job:
         self.authenticate(node, node_secret)
         if req.node_id not in self.succeeded:  # a finished node is no longer watched for liveness
             self.liveness.beat(req.node_id, now)
+        self.suspicion.heard(req.node_id)
         node.note_workers(req.workers)
         self._note_persist(node, req, now)
         node.replication_port, node.replicated_step = req.replication_port, req.replicated_step
@@ -408,7 +425,12 @@ class Job:
         if now - self.aggregates_at >= AGGREGATE_PERIOD_S:
             self._refresh_aggregates(now)
         self._readmit_expired(now)
-        for node_id in self.liveness.dead(now):
+        dead = self.liveness.dead(now)
+        active = self.rdzv.current if self.rdzv.phase is Phase.ACTIVE else None
+        if dead and (held := self.suspicion.judge(self.liveness, dead, active, self.settings, now)):
+            self.record(now, EventKind.MASTER_SUSPECTED, held, data=self.suspicion.data())
+            dead = []  # held for one heartbeat timeout; the server resigns where a standby can lead
+        for node_id in dead:
             age = self.liveness.age(node_id, now)
             lost = self.nodes.get(node_id)
             why = " after closing its connection" if self.liveness.suspected(node_id) else ""
@@ -421,8 +443,10 @@ class Job:
             )
             if self.outcome is not None:
                 return
-            if lost is not None and (flapped := self.flapping.note(node_id, now, lost.host, lost.nproc)):
+            if lost is not None and (flapped := self._note_loss(lost, now)):
                 self._record_flap_exclusion(flapped, now)
+        if self.suspicion.settle(self.liveness):
+            self.note_durable_change()  # the incident ended (its nodes heard from, or declared dead)
         self._advance(now)
 
     def excuse_stall(self, seconds: float, now: float) -> None:
@@ -481,6 +505,7 @@ class Job:
             # State written before node credentials has no hash: such a node's requests are refused (403)
             # and its agent says so; one never takes over a node by its id alone.
             self.nodes[n["node_id"]].secret_hash = n.get("secret_hash", "")
+            self.nodes[n["node_id"]].default_id = bool(n.get("default_id", False))
         self.rdzv.restrict_expected(self.nodes)  # a forming round expects the previous members still known
         self.budget = RestartBudget.restore(settings.max_restarts, data)
         self.round_term = int(data.get("round_term", 0))
@@ -512,6 +537,7 @@ class Job:
                 node.round = active.number
                 node.state = NodeState.SUCCEEDED if node_id in self.succeeded else NodeState.RUNNING
         self.flapping.restore(data.get("flapping"))
+        self.suspicion.restore(data.get("silent_incident", []), self.nodes)
         for node_id in self.nodes:
             if node_id not in self.succeeded:
                 self.liveness.beat(node_id, now)
@@ -780,9 +806,13 @@ class Job:
         self._open_round(now, why, counted=False, cause=Cause.NODE_LOSS, began_at=began)
         self._advance(now)
 
+    def _note_loss(self, node: NodeInfo, now: float) -> Exclusion | None:
+        """Count one loss of ``node`` (per id, or per host for a default id: master.job.flapping)."""
+        return self.flapping.note(_flap_key_of(node), now, node.host, node.nproc, by_host=node.default_id)
+
     def _flap_line(self, flapped: Exclusion) -> str:
         return (
-            f"node {flapped.node_id} excluded for flapping: lost {flapped.count} times within "
+            f"{flapped.who} excluded for flapping: lost {flapped.count} times within "
             f"{flapped.window_s:g}s (more than --flap-limit {flapped.limit}); re-admitted at "
             f"{clock_time(flapped.until)} or by 'elastic-master readmit {flapped.node_id}'"
         )
@@ -793,6 +823,11 @@ class Job:
         kind = EventKind.NODE_FLAPPING_EXCLUDED
         self.record(now, kind, line, node=flapped.node_id, data=_flap_data(flapped))
         self._wake(flapped.node_id)  # its agent's pending long-polls now answer "exclude"
+        if flapped.by_host:  # the crash loop's live agent, under a new id, goes too (a dead one: tick)
+            key = flapped.node_id
+            same = [n for n in self.nodes.values() if n.default_id and _flap_key_of(n) == key]
+            for node in [n for n in same if self.liveness.alive(n.node_id, now)]:
+                self._remove(node.node_id, line, kind, now, flapped)
 
     def _readmit_expired(self, now: float) -> None:
         for over in self.flapping.expired(now):
@@ -955,3 +990,8 @@ def new_incarnation() -> str:
 
 def _flap_data(flapped: Exclusion) -> dict[str, Any]:
     return {"count": flapped.count, "window_s": flapped.window_s, "until": flapped.until}
+
+
+def _flap_key_of(node: NodeInfo) -> str:
+    """What ``node``'s losses count under (:func:`master.job.flapping.flap_key`)."""
+    return flap_key(node.node_id, node.host, node.default_id)

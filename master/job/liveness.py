@@ -3,6 +3,9 @@ which agent may speak for a node id (its incarnation's secret).
 
 **Liveness** (:class:`Liveness`): last heartbeat per node, dead verdicts at ``now``.
 
+**Self-suspicion** (:func:`silent_at_once`, :class:`SelfSuspicion`): a leader that stops hearing from most of
+its running round at once suspects its own network and holds the verdicts (master.service.service resigns).
+
 **Credentials**: one secret per node *incarnation* (one agent process's life under a node id).
 
 A join that starts an incarnation gets a fresh random secret (:func:`new_secret`); the master keeps only
@@ -21,7 +24,13 @@ import hashlib
 import hmac
 import secrets
 from collections import OrderedDict
+from collections.abc import Collection, Container, Iterable, Mapping
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elastic.control.job_settings import JobSettings
+    from master.job.rendezvous import ClosedRound
 
 #: A takeover's grace lasts while the nodes the new leader inherited keep coming back (see
 #: :meth:`Liveness.grant_grace`), but never more than this many heartbeat timeouts after the takeover.
@@ -117,6 +126,24 @@ class Liveness:
             self._last_seen[node_id] = now
         self._in_order = True  # all equal
 
+    def hold(self, now: float) -> None:
+        """No dead verdict before ``now + timeout`` (a leader that suspects itself: see
+        :func:`silent_at_once`); unlike :meth:`grant_grace`, every heartbeat keeps its true age, so the
+        verdicts at the end name it."""
+        self._grace_until = max(self._grace_until, now + self.timeout_s)
+        self._grace_cap = max(self._grace_cap, self._grace_until)
+
+    def quiet(self, now: float, older_than_s: float) -> dict[str, float]:
+        """The nodes not heard from for more than ``older_than_s``, with their heartbeat ages (as the
+        verdicts count them); O(quiet nodes): a prefix of the heartbeat order. Call after :meth:`dead`
+        (which restores that order)."""
+        quiet = {}
+        for n, seen in self._last_seen.items():
+            if now - seen <= older_than_s:
+                break
+            quiet[n] = now - seen
+        return quiet
+
     def excuse(self, seconds: float) -> None:
         """The master itself was stalled for ``seconds`` (heartbeats waited unread in its sockets): every
         node's last heartbeat and suspicion deadline move that much later (order unchanged). O(nodes), for
@@ -149,6 +176,114 @@ class Liveness:
                 overdue.append((seen, n))
         overdue.sort()  # few (the overdue ones), ties by node id
         return [n for _, n in overdue]
+
+
+#: A node not heard from for this many heartbeat intervals counts as silent for :func:`silent_at_once`
+#: (a live agent beats every interval: two missed beats in a row).
+SILENT_INTERVALS = 2.0
+#: The fewest silent nodes that make a leader suspect itself: the loss of a single node is believed.
+MIN_SILENT = 2
+
+
+def silent_at_once(
+    quiet: Mapping[str, float],
+    due: Collection[str],
+    corroborated: Container[str],
+    membership: int,
+    interval_s: float,
+) -> frozenset[str]:
+    """The self-suspicion rule: the members a leader has stopped hearing from together, when they are most
+    of the membership; else the empty set (believe the verdicts).
+
+    ``quiet``: heartbeat ages of the running round's members, at least of those older than
+    :data:`SILENT_INTERVALS` heartbeat intervals (a member left out was heard recently); ``due``: the members
+    whose dead verdict is due now; ``corroborated``: members whose master connection was seen to close (a
+    FIN or RST reached this master, so its network works: their loss is believed and never counts as
+    silence); ``membership``: how many members the round has; ``interval_s``: the heartbeat interval. A
+    member is silent when it is due or older than :data:`SILENT_INTERVALS` intervals (two missed beats).
+
+    Why: a leader cut off from every agent (but not from etcd) hears nothing from anyone, while the agents,
+    failing over, are heard by the standby. Independent failures take nodes one at a time; most of the
+    membership going quiet within the same heartbeat timeout is more likely this master's own network. Pure:
+    the caller decides what the suspicion costs (:meth:`master.job.job.Job.tick`)."""
+    if not due:
+        return frozenset()
+    limit = SILENT_INTERVALS * interval_s
+    silent = frozenset(n for n in (*quiet, *due) if (n in due or quiet[n] > limit) and n not in corroborated)
+    if len(silent) < MIN_SILENT or 2 * len(silent) <= membership:
+        return frozenset()
+    return silent
+
+
+class SelfSuspicion:
+    """A leader's self-suspicion (:func:`silent_at_once`) over the running round, once per incident.
+
+    :attr:`incident`, durable (stored with the job): the silent members of the current incident. While it
+    is not empty the rule does not fire again: a leader that restored it (it took over after its
+    predecessor resigned over those nodes) or that held its own verdicts for one heartbeat timeout declares
+    the nodes still silent dead. It empties as its nodes are heard from again or removed.
+    :attr:`resign_wanted` (soft) asks the server to resign its leadership (master.service.service)."""
+
+    def __init__(self) -> None:
+        self.incident: set[str] = set()
+        self.resign_wanted = False
+        self._ended = False  # the incident ended since the last settle()
+
+    def judge(
+        self,
+        liveness: Liveness,
+        due: list[str],
+        active: ClosedRound | None,
+        settings: JobSettings,
+        now: float,
+    ) -> str | None:
+        """When the dead verdicts ``due`` now make this master suspect itself (the running round ``active``
+        has most of its members silent): the event's message; every verdict is then held for one heartbeat
+        timeout and :attr:`resign_wanted` is set. Else None (believe them). O(quiet nodes)."""
+        if self.incident or active is None:
+            return None  # once per incident; a mass silence matters where it would restart a running world
+        interval, members = settings.heartbeat_interval_s, len(active.members)
+        quiet = liveness.quiet(now, SILENT_INTERVALS * interval)
+        silent = silent_at_once(
+            {n: age for n, age in quiet.items() if active.has(n)},
+            [n for n in due if active.has(n)],
+            liveness._suspect_until,  # closed connections: the same module's record
+            members,
+            interval,
+        )
+        if not silent:
+            return None
+        self.incident, self.resign_wanted = set(silent), True
+        liveness.hold(now)
+        return (
+            f"the master heard nothing from {len(silent)} of {members} nodes at once; suspecting its own "
+            f"network, it holds their dead verdicts for {settings.heartbeat_timeout_s:g}s and resigns its "
+            "leadership where a standby can take over"
+        )
+
+    def data(self) -> dict[str, list[str]]:
+        """The suspicion event's data: the incident's nodes."""
+        return {"silent": sorted(self.incident)}
+
+    def heard(self, node_id: str) -> None:
+        """A node was heard from (a heartbeat, a join): it is silent no more. O(1)."""
+        if self.incident and node_id in self.incident:
+            self.incident.discard(node_id)
+            self._ended = not self.incident
+
+    def settle(self, liveness: Liveness) -> bool:
+        """Drop the incident's nodes no longer watched (declared dead, left, finished); True once when the
+        incident ended since the last call (a durable change)."""
+        if self.incident:
+            self.incident = {n for n in self.incident if liveness.knows(n)}
+            self._ended = self._ended or not self.incident
+        ended, self._ended = self._ended, False
+        return ended
+
+    def restore(self, silent: Iterable[str], nodes: Container[str]) -> None:
+        """The stored incident (a successor of a master that resigned over these nodes declares them dead
+        after its grace, instead of resigning in turn)."""
+        self.incident = {n for n in silent if n in nodes}
 
 
 #: Random bytes of a secret (``secrets.token_urlsafe``: 43 URL-safe characters).

@@ -42,6 +42,8 @@ class NodeInfo:
     ckpt_step: int | None = None
     #: Hash of the current incarnation's secret (durable; master.job.liveness); never the secret itself.
     secret_hash: str = ""
+    #: Its id is elastic-run's default HOSTNAME-PID (durable): losses count per host (master.job.flapping).
+    default_id: bool = False
     # Soft state from heartbeats (never stored): the node's durable checkpoint and its persist trouble.
     persisted_step: int | None = None
     persist_error: str = ""

@@ -66,6 +66,7 @@ def snapshot_of(job: Job) -> dict[str, Any]:
                 "nproc": n.nproc,
                 "failures": n.failures,
                 "secret_hash": n.secret_hash,
+                "default_id": n.default_id,
             }
             for n in job.nodes.values()
         ],
@@ -81,6 +82,7 @@ def snapshot_of(job: Job) -> dict[str, Any]:
         "events": [e.record() for e in list(job.events)[-100:]],
         "node_check": job.node_check.snapshot(),
         "flapping": job.flapping.snapshot(),
+        "silent_incident": sorted(job.suspicion.incident),
         "goodput": job.goodput.snapshot(),
         "stats": job.stats.snapshot(),
         "recovery": job.recovery.snapshot(),

@@ -10,6 +10,18 @@ readings are Unix times, so the job's event times read as dates in the event log
 sample times, and stay comparable after a failover to a master on another host (to the precision of the
 hosts' wall clocks).
 
+A leader cut off from its agents but not from etcd would keep its lease and declare every node dead (a
+job-wide restart) while the agents, failing over, reach a standby that answers ``503 not_leader``. Of the
+designs that avoid it (agents that vote a leader out through the standby, a leader that needs a quorum of
+heartbeats to renew its lease, or a leader that suspects itself) this is the last: the job's tick applies
+the pure rule :class:`master.job.liveness.SelfSuspicion` (most of the running round silent at once: hold
+every verdict for one heartbeat timeout, record the incident durably, ask to resign), and the service
+resigns the term once the store holds that incident (:meth:`MasterService._resign_term`), then campaigns
+again only after a pause, so that the standby wins. It needs no new message and no change to the lease,
+and it also covers a master without a standby (the hold alone delays the verdicts by one timeout). The
+incident is durable so that the successor, restoring it, declares the nodes that stay silent dead after
+its grace instead of resigning in turn: at most one resignation per incident.
+
 The process's own health figures (:class:`MasterHealth`: heartbeats received, long-polls open, store write
 latency) are counted here with one cheap update each and exported by :mod:`master.http.metrics`. They belong
 to this process: a restarted or new master starts them from zero (Prometheus' ``rate()`` handles that),
@@ -58,6 +70,8 @@ LONG_POLL_SPREAD = 0.25
 FINAL_SAVE_S = 2.0
 #: Seconds over which :meth:`MasterHealth.heartbeats_per_second` averages.
 RATE_WINDOW_S = 10.0
+#: Longest wait, before a suspecting leader resigns, for the store to hold the incident (see _resign_term).
+RESIGN_SAVE_S = 2.0
 
 
 def unix_monotonic() -> Callable[[], float]:
@@ -159,6 +173,7 @@ class MasterService:
         self._ticked_at: float | None = None  # the last tick while leading (see _excuse_stall)
         self._term_tasks: list[asyncio.Task] = []
         self._run_task: asyncio.Task | None = None
+        self._resign: asyncio.Event | None = None  # the term's: set when the job suspects this master
         self._stepping_down: asyncio.Task | None = None
         #: Called once when a supervised task failed (the server then exits); see :attr:`failure`.
         self.on_failure: Callable[[], None] | None = None
@@ -256,6 +271,10 @@ class MasterService:
             now = self.clock()
             self._excuse_stall(now)
             self.job.tick(now)
+            if self.job.suspicion.resign_wanted:  # master.job.liveness.silent_at_once
+                self.job.suspicion.resign_wanted = False
+                if self.store.durable and self._resign is not None:
+                    self._resign.set()
             self.changed()
             self._reasons.note(self.job, self.clock())
 
@@ -309,15 +328,51 @@ class MasterService:
                 spawn(self._tick_forever(), "tick"),
                 spawn(self._persist_forever(dirty, lost), "persist"),
             ]
-            await lost.wait()
+            resign = self._resign = asyncio.Event()
+            resigned = False
+            while not lost.is_set() and not resigned:
+                await _first(lost, resign)
+                if resign.is_set() and not lost.is_set():
+                    resign.clear()
+                    resigned = await self._resign_term()
             for task in self._term_tasks:
                 task.cancel()
             log.warning(
-                "master %s lost the leadership of job %s; standing by", self.master_id, job_settings.job_id
+                "master %s %s the leadership of job %s; standing by",
+                self.master_id,
+                "resigned" if resigned else "lost",
+                job_settings.job_id,
             )
             self.job = None
+            self._resign = None
             self.standby_hold.lost()
             self.notifier.notify()
+            if resigned:
+                # Let the standby (campaigning since it saw the key go) win: a resigned leader that won
+                # again at once would only hear the same silence, one term later.
+                interval, timeout = job_settings.heartbeat_interval_s, job_settings.heartbeat_timeout_s
+                await asyncio.sleep(resign_pause(interval, timeout))
+
+    async def _resign_term(self) -> bool:
+        """Resign this term because the job suspects this master's network (the leader heard nothing from
+        most nodes at once; master.job.liveness.silent_at_once), so that a standby that the agents reach
+        leads: True once resigned. Write-ahead: the store holds the incident first, so the successor never
+        resigns in turn (it declares the nodes still silent dead after its grace). When that save does not
+        make it in time, this master keeps leading; its hold on the verdicts ends one heartbeat timeout
+        later."""
+        try:
+            await asyncio.wait_for(self.stored(), RESIGN_SAVE_S)
+        except (NotLeaderError, asyncio.TimeoutError):
+            log.warning("could not store the self-suspicion before resigning; leading on")
+            return False
+        log.warning(
+            "master %s resigns the leadership of job %s: it heard nothing from most nodes at once "
+            "(its own network is suspect); a standby that hears them takes over",
+            self.master_id,
+            self.settings.job.job_id,
+        )
+        await self.store.resign()
+        return True
 
     def _restore(self, snapshot: dict, now: float, term: int) -> Job:
         """The job continued from the stored state; :class:`StateFormatError` (one line naming the key)
@@ -447,6 +502,22 @@ class MasterService:
             self.health.long_polls_open -= 1
             if gone is not None:
                 gone.cancel()
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Return once any of ``events`` is set."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
+def resign_pause(interval_s: float, timeout_s: float) -> float:
+    """How long a master that resigned waits before it campaigns again: two heartbeat intervals (at least
+    a second), never more than the heartbeat timeout."""
+    return min(timeout_s, max(1.0, 2.0 * interval_s))
 
 
 def spread(timeout: float) -> float:

@@ -8,6 +8,9 @@ from elastic.control.job_settings import JobSettings
 
 #: Default ``--header-timeout`` (docs/operations.md, "Open files and connections").
 DEFAULT_HEADER_TIMEOUT_S = 8.0
+#: Default ``--max-unauthenticated-per-address`` (master.http.conn_guard): high enough for the agents
+#: behind one NAT that (re)connect at once, each unauthenticated until its stream's upgrade is answered.
+DEFAULT_UNAUTHENTICATED_PER_ADDRESS = 256
 
 
 @dataclass(frozen=True)
@@ -34,4 +37,7 @@ class ServerSettings:
     max_connections: int | None = None
     #: ``--header-timeout``: seconds a new connection has to send its first request head.
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    #: ``--max-unauthenticated-per-address``: connections one address may hold before they present a
+    #: valid token (authenticated ones are never counted per address).
+    unauthenticated_per_address: int = DEFAULT_UNAUTHENTICATED_PER_ADDRESS
     extra: dict[str, str] = field(default_factory=dict)

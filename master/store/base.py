@@ -63,6 +63,11 @@ class StateStore(abc.ABC):
         """Where the job state lives, for error messages (an etcd key names itself)."""
         return "memory"
 
+    async def resign(self) -> None:  # noqa: B027 - optional hook, a no-op for in-process stores
+        """End the current term quietly (``on_lost`` is not called) and let another master be elected at
+        once (an etcd lease is revoked); the store stays open for the next :meth:`campaign`. In-process
+        stores have no other master: nothing to do."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook, a no-op for in-process stores
         """Resign leadership (if held) and disconnect."""
 

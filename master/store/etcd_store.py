@@ -305,6 +305,10 @@ class EtcdStore(EtcdTerm, StateStore):
     def state_location(self) -> str:
         return f"etcd key {self.state_key.decode()} at {self.endpoint}"
 
+    async def resign(self) -> None:
+        """End this term quietly and revoke its lease (a standby takes over at once); stay connected."""
+        await self._resign()
+
     async def close(self) -> None:
         """Revoke the lease (a standby takes over at once), stop renewing it, disconnect. Idempotent."""
         if self._closed:

@@ -148,7 +148,7 @@ def test_a_full_disk_during_a_persist_shows_in_master_status_within_a_heartbeat(
     job = unique_job("full")
     jobs.append(job)
     token = tmp_path / "tok"
-    token.write_text("full-disk-token\n")
+    token.write_text("full-disk-test-token\n")
     master_args = ["--host", "127.0.0.1", "--port", "0", "--job-id", job, "--token-file", str(token)]
     timing = ["--heartbeat-interval", str(HEARTBEAT_S), "--heartbeat-timeout", "10"]
     master = launch(elastic_master_argv(*master_args, *timing), name="master")
@@ -164,7 +164,7 @@ def test_a_full_disk_during_a_persist_shows_in_master_status_within_a_heartbeat(
         + elastic_run_argv(*agent_args, "--ckpt-dir", str(ckpt), "--stop-grace", "2", *script),
         name="agent",
     )
-    headers = {"Authorization": "Bearer full-disk-token", JOB_HEADER: job}
+    headers = {"Authorization": "Bearer full-disk-test-token", JOB_HEADER: job}
 
     def persist_error() -> str:
         nodes = httpx.get(f"http://{address}{API_PREFIX}/status", headers=headers, timeout=5).json()["nodes"]

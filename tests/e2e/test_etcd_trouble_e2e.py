@@ -283,7 +283,7 @@ def test_etcd_stalls_during_a_join_and_a_round_close_no_agent_holds_a_round_the_
 
     for node_id, agent in agents.items():
         code = agent.wait(START_S + steps * 0.1 * 3)
-        assert code == 0, f"{node_id} exited {code}:\n{agent.workers.output()[-4000:]}"
+        assert code == 0, f"{node_id} exited {code}:\n{agent.output()[-4000:]}"
         assert "job succeeded" in agent.output()
     assert re.search(rf"^\[rank0\]:done step={steps}$", "".join(a.output() for a in agents.values()), re.M)
     leader = leader_of(job, addresses)

@@ -28,7 +28,7 @@ launch, jobs = e2e.launch, e2e.jobs  # fixtures: process trees killed, shm folde
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "fd-limits-token"
+TOKEN = "fd-limits-test-token"
 FD_LIMIT = 1024
 IDLE_CONNECTIONS = 1100
 #: A connection the master closed this long after it opened was closed by the first-request timeout
@@ -171,6 +171,10 @@ def test_an_agent_joins_and_heartbeats_through_a_flood_of_idle_connections_at_a_
         "0.5",
         "--heartbeat-timeout",
         "3",
+        # The flood comes from the agent's own address: the per-address cap of connections without a token
+        # (default 256) would refuse it before the descriptor cap this test is about is reached.
+        "--max-unauthenticated-per-address",
+        str(IDLE_CONNECTIONS * 2),
     ]
     master = launch([sys.executable, "-c", LIMITED_MASTER, *master_args], name="master")
     port = int(master.wait_for(r"listening on 127\.0\.0\.1:(\d+)", START_S).group(1))

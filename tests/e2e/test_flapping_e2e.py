@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
+import sys
 
 import e2e
 import pytest
-from e2e import base_env, elastic_master_argv, train_args, wait_until
-from multinode_cluster import START_S, STEP_LINE, start_cluster
+from e2e import base_env, elastic_master_argv, elastic_run_argv, train_args, wait_until
+from multinode_cluster import START_S, STEP_LINE, agent_env, start_cluster
 
 launch = e2e.launch  # the fixture: every process tree a test launches is killed at its teardown
 
@@ -116,3 +118,42 @@ def _readmit(cluster, node_id: str) -> subprocess.CompletedProcess[str]:
         str(cluster.token_file),
     )
     return subprocess.run(argv, capture_output=True, text=True, env=base_env(), timeout=60)
+
+
+@pytest.mark.timeout(240)
+def test_a_crash_loop_of_agents_with_default_node_ids_is_excluded(launch, tmp_path):
+    # Agents without --node-id are HOSTNAME-PID: a new id at every restart. With --nnodes 2:2 and one agent
+    # the round never closes, so no worker starts: each agent joins, waits, and is SIGKILLed (a crash).
+    cluster = start_cluster(launch, tmp_path, "2:2", "--flap-limit", "1", "--flap-window", "120")
+    argv = elastic_run_argv(
+        "--nnodes",
+        "2:2",
+        "--nproc-per-node",
+        "1",
+        "--master",
+        cluster.address,
+        "--job-id",
+        cluster.job_id,
+        "--token-file",
+        str(cluster.token_file),
+        "--no-warm-start",
+        sys.executable,
+        "-c",
+        "pass",
+    )
+    for loss in range(2):  # the second loss is more than --flap-limit 1
+        offset = len(cluster.master.output())
+        agent = launch(argv, name=f"agent-default-{loss}", env=agent_env())
+        joined = cluster.master.wait_for(r"node (\S+) \(\S+, 1 workers\) joined", START_S, after=offset)
+        node = joined.group(1)
+        assert node == f"{socket.gethostname()}-{agent.pid}", "the default id is HOSTNAME-PID"
+        os.killpg(agent.pid, signal.SIGKILL)
+        assert agent.wait(10) == -signal.SIGKILL
+        cluster.master.wait_for(rf"node_dead: node {re.escape(node)} declared dead", START_S, after=offset)
+    cluster.master.wait_for(r"node_flapping_excluded: the agents with default node ids", 10)
+    refused = launch(argv, name="agent-default-refused", env=agent_env())  # yet another id
+    assert refused.wait(START_S) == 2, refused.output()[-2000:]
+    last = refused.output().strip().splitlines()[-1]
+    host_key = rf"{re.escape(socket.gethostname())}@\S+"
+    assert re.search(rf"default node ids \(HOSTNAME-PID\) at {host_key} are excluded from job", last), last
+    assert "Traceback" not in refused.output()

@@ -290,7 +290,7 @@ def test_status_command_prints_the_node_table_and_rejects_a_wrong_token(launch, 
         assert (row["STATE"], row["RESTARTS"], row["ROUND"], row["WORLD"]) == ("running", "0", "1", "2"), row
 
     wrong = tmp_path / "wrong-tok"
-    wrong.write_text("not-the-token\n")
+    wrong.write_text("not-the-job-token-at-all\n")
     result = cluster.status_cli(wrong)
 
     assert result.returncode != 0

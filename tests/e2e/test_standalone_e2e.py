@@ -9,6 +9,7 @@ that importing torch takes on a 2-core machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -233,6 +234,40 @@ def test_standalone_run_finishes_with_final_step(launch, tmp_path):
     assert len(step_lines) == steps
     assert all(line.startswith("[rank0]:step=") for line in step_lines), step_lines
     assert max(checkpoint_steps(tmp_path / "ckpt")) == steps
+
+
+# A worker whose child starts its own session and loses its parent (a daemon's double fork), so that it is
+# in neither the worker's process group nor its tree; the escapee ignores SIGTERM. The worker then succeeds.
+ESCAPING_WORKER = """
+import os, signal, time
+read_end, write_end = os.pipe()
+middle = os.fork()
+if middle == 0:
+    os.setsid()
+    if os.fork() == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.write(write_end, str(os.getpid()).encode())
+        time.sleep(300)
+    os._exit(0)
+os.waitpid(middle, 0)
+print("escaped", os.read(read_end, 32).decode(), flush=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_child_that_escaped_its_session_does_not_outlive_the_agent(launch, tmp_path):
+    script = tmp_path / "escaping.py"
+    script.write_text(ESCAPING_WORKER)
+    proc = launch(elastic_run_argv("--standalone", "--nproc-per-node", "1", str(script)), name="run")
+    pid = int(proc.wait_for(r"^\[rank0\]:escaped (\d+)$", RUN_TIMEOUT_S).group(1))
+    escaped = psutil.Process(pid)  # pinned by its start time: a later process with the PID is not it
+    try:
+        assert proc.wait(RUN_TIMEOUT_S) == 0, proc.output()[-4000:]
+        # The agent (a child subreaper) inherited it, stopped it with the worker and reaped it.
+        assert not escaped.is_running(), f"the escaped child {pid} outlived elastic-run"
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            escaped.kill()  # checks the start time first
 
 
 # -- 2. SIGKILL of one worker: restart, resume, finish ---------------------------------------------------

@@ -34,7 +34,7 @@ from master.service.settings import ServerSettings
 
 launch = e2e.launch  # the fixture: every process tree a test launches is killed at its teardown
 
-TOKEN = "tls-test-token"
+TOKEN = "tls-e2e-test-token"
 START_S = 90.0  # generous on a loaded 2-core machine
 EXIT_S = 120.0
 #: Far above what a refused agent may take: a TLS failure must not wait for --master-timeout.
@@ -242,7 +242,7 @@ def test_two_agents_with_the_ca_train_to_the_end_and_status_works(launch, pki, t
     ]
     for agent in agents:
         code = agent.wait(START_S + EXIT_S)
-        assert code == 0, f"{agent.log.name} exited {code}:\n{agent.workers.output()[-4000:]}"
+        assert code == 0, f"{agent.log.name} exited {code}:\n{agent.output()[-4000:]}"
         assert "job succeeded" in agent.output()
     assert any(re.search(r"^\[rank0\]:done step=5$", a.output(), re.M) for a in agents)
     assert all(re.search(r"^\[rank\d\]:start rank=\d world=2 ", a.output(), re.M) for a in agents)

@@ -37,7 +37,7 @@ from master.http.serving import EmbeddedMaster
 
 pytestmark = pytest.mark.timeout(60)
 
-TOKEN = "stream-token"
+TOKEN = "stream-test-token-0123"
 JOB_ID = "job-stream"
 AUTH = {"Authorization": f"Bearer {TOKEN}", JOB_HEADER: JOB_ID}
 #: A long-poll that must stay pending asks for this long; one that must wake returns well before it.
@@ -364,6 +364,66 @@ def test_malformed_frames_are_refused_and_the_stream_goes_on(masters: Masters):
     missing = stream.call(id=5, op="heartbeat")
     assert (missing["status"], missing["body"]["message"]) == (422, "body: Field required")
     assert stream.call(id=6, op="info")["status"] == 200
+
+
+#: A JSON document nested this deep overflows Python's parser (its recursion limit is 1,000).
+DEEP = 20_000
+
+
+def test_a_20000_deep_frame_is_refused_and_every_stream_goes_on(masters: Masters):
+    """Nesting deeper than the JSON parser's recursion limit is a malformed frame like any other: 422 on
+    the frame's stream, which goes on, and no other stream notices (before: an uncaught RecursionError)."""
+    master = masters.start()
+    stream, other = opened(masters.stream(master)), opened(masters.stream(master))
+    stream.send_raw(b'{"id": 1, "op": "info", "body": ' + b"[" * DEEP + b"]" * DEEP + b"}\n")
+    reply = stream.reply()
+    assert (reply["id"], reply["status"], reply["body"]["error"]) == (0, 422, "invalid_request")
+    assert "nested too deeply" in reply["body"]["message"]
+    assert stream.call(id=2, op="info")["status"] == 200
+    assert other.call(id=1, op="info")["status"] == 200
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_number_in_a_heartbeat_is_refused_on_the_stream_and_over_http(masters: Masters, value):
+    """Python's JSON parser accepts NaN and infinities: a heartbeat carrying one is refused 422 naming the
+    field, over the stream (the call's reply; the stream goes on) and over HTTP alike."""
+    master = masters.start()
+    stream = opened(masters.stream(master))
+    joined = stream.call(id=1, op="join", body=join_body("a"))
+    assert joined["status"] == 200
+    secret = joined["body"]["node_secret"]
+    body = beat_body("a", workers=[{"local_rank": 0, "step": 3, "step_time_s": value}])
+    frame = {"id": 2, "op": "heartbeat", "secret": secret, "body": body}
+    stream.send_raw(json.dumps(frame).encode() + b"\n")  # NaN, Infinity or -Infinity in the JSON text
+    reply = stream.reply()
+    assert (reply["id"], reply["status"], reply["body"]["error"]) == (2, 422, "invalid_request"), reply
+    assert "workers.0.step_time_s" in reply["body"]["message"], reply
+    beat = stream.call(id=3, op="heartbeat", secret=secret, body=beat_body("a"))
+    assert beat["status"] == 200, beat
+    over_http = masters.http(master).post(
+        f"{API_PREFIX}/heartbeat",
+        content=json.dumps(body).encode(),
+        headers={"content-type": "application/json", NODE_SECRET_HEADER: secret},
+    )
+    assert over_http.status_code == 422 and "step_time_s" in over_http.json()["message"], over_http.text
+
+
+def test_a_20000_deep_body_over_http_is_refused_422_saying_why(masters: Masters):
+    """FastAPI's bare 400 for a body its parser failed on became a 422 that said "not UTF-8" whatever the
+    cause: it names the cause now."""
+    master = masters.start()
+    client = masters.http(master)
+    deep = client.post(
+        f"{API_PREFIX}/heartbeat",
+        content=b"[" * DEEP + b"]" * DEEP,
+        headers={"content-type": "application/json"},
+    )
+    assert deep.status_code == 422 and deep.json()["error"] == "invalid_request", deep.text
+    assert "nested too deeply" in deep.json()["message"] and "UTF-8" not in deep.json()["message"]
+    json_type = {"content-type": "application/json"}
+    binary = client.post(f"{API_PREFIX}/heartbeat", content=b'{"node_id": "\xff"}', headers=json_type)
+    assert binary.status_code == 422 and "not UTF-8" in binary.json()["message"], binary.text
+    assert client.get(f"{API_PREFIX}/status").status_code == 200
 
 
 def test_a_frame_over_the_limit_is_answered_413_and_the_stream_closed(masters: Masters):

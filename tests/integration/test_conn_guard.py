@@ -7,11 +7,13 @@ wrong tokens that never touches a valid token."""
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import socket
 import time
 from collections.abc import Iterator
 
+import e2e
 import httpx
 import pytest
 from certs import LOCAL_NAMES, CertAuthority
@@ -19,16 +21,17 @@ from embedded_masters import no_thread_left
 
 from elastic.control.error_table import Disposition, ErrorCode, disposition
 from elastic.control.job_settings import JobSettings
-from elastic.control.protocol import JOB_HEADER
+from elastic.control.protocol import JOB_HEADER, NODE_SECRET_HEADER
 from master.http.conn_guard import ResourceLogFilter, connection_cap
 from master.http.rate_limits import LogLimiter, PeerFailureLimiter
 from master.http.serving import EmbeddedMaster
 from master.service.settings import ServerSettings
 
-TOKEN = "guard-token"
+TOKEN = "guard-token-0123456789"
 JOB_ID = "job-guard"
 AUTH = {"Authorization": f"Bearer {TOKEN}", JOB_HEADER: JOB_ID}
 HEADER_TIMEOUT_S = 0.5
+JOIN_A = dict(node_id="a", host="127.0.0.1", nproc=1, store_port=29501, min_nodes=2, max_nodes=2)
 
 
 class FakeClock:
@@ -195,23 +198,173 @@ def read_reply(sock: socket.socket, timeout: float) -> bytes:
 
 
 @pytest.mark.timeout(60)
-def test_a_request_in_flight_is_not_cut_by_the_header_timeout(start_master) -> None:
-    """A request whose head arrived but whose body is still coming is in flight (as a long-poll is): it is
-    served when it completes, however long after the header timeout (a readmit of a node the job does not
-    know: 404 from the job itself)."""
+def test_a_long_poll_in_flight_is_not_cut_by_the_deadlines(start_master) -> None:
+    """A request whose head and body arrived is in flight: a long-poll waits well past the header timeout
+    and is answered on the same connection."""
+    master = start_master()
+    with httpx.Client(base_url=f"http://{master.address}", headers=AUTH, timeout=30) as client:
+        joined = client.post("/v1/join", json=JOIN_A)
+        assert joined.status_code == 200, joined.text
+        secret = {NODE_SECRET_HEADER: joined.json()["node_secret"]}
+        wait_s = HEADER_TIMEOUT_S * 4  # a second node never comes: the poll waits its whole timeout
+        query = {"node_id": "a", "after": 0, "timeout": wait_s}
+        polled = client.get("/v1/round", params=query, headers=secret)
+    assert polled.status_code == 200, polled.text
+
+
+def post_head(path: str, headers: dict[str, str], length: int, kind: str = "application/json") -> bytes:
+    lines = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: master\r\ncontent-type: {kind}\r\n{lines}"
+        f"content-length: {length}\r\n\r\n"
+    ).encode()
+
+
+def timed_out_count(master: EmbeddedMaster) -> float:
+    metrics = httpx.get(f"http://{master.address}/metrics", headers=AUTH, timeout=10).text
+    prefix = f'elastic_master_connections_closed_total{{job_id="{JOB_ID}",reason="timed_out"}} '
+    return float(next(line for line in metrics.splitlines() if line.startswith(prefix)).split()[-1])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", ["/v1/nodes/a/readmit", "/ui/login"])
+def test_a_trickled_body_is_closed_at_its_deadline(start_master, path: str, caplog) -> None:
+    """A body that does not arrive within the header timeout of its head closes the connection, with a
+    valid token (``/v1``) or none (the login form); before, a trickled body held it forever. The app that
+    was reading it logs no error (a client gone is no failure of the master)."""
+    caplog.set_level(logging.DEBUG, logger="master.http.connection")
     master = start_master()
     with connect(master) as sock:
-        body = b'{"node_id": "a"}'
-        head = (
-            "POST /v1/nodes/a/readmit HTTP/1.1\r\nHost: master\r\ncontent-type: application/json\r\n"
-            + "".join(f"{k}: {v}\r\n" for k, v in AUTH.items())
-            + f"content-length: {len(body)}\r\n\r\n"
-        )
-        sock.sendall(head.encode() + body[:5])
-        assert not closed_by_peer(sock, HEADER_TIMEOUT_S * 4)
-        sock.sendall(body[5:])
+        kind = "application/json" if path.startswith("/v1") else "application/x-www-form-urlencoded"
+        sock.sendall(post_head(path, AUTH, 4096, kind) + b"{")
+        for _ in range(3):  # a byte now and then: each arrives, the body never completes
+            assert not closed_by_peer(sock, HEADER_TIMEOUT_S / 4)
+            sock.sendall(b" ")
+        assert closed_by_peer(sock, 10)
+    assert timed_out_count(master) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("path", "status"),
+    [("/openapi.json", 200), ("/ui/login", 200), ("/no-such-page", 404), ("/metrics", 401)],
+)
+def test_one_byte_of_a_next_head_after_a_request_outside_v1_is_closed_at_its_deadline(
+    start_master, path: str, status: int
+) -> None:
+    """The slowloris of the issue: one unauthenticated request outside ``/v1`` keeps the connection alive,
+    then one byte of a next request head held it until the keep-alive timeout (minutes), or forever when
+    trickled. Now the next head has the header timeout from its first byte."""
+    master = start_master(header_timeout_s=1.0)
+    with connect(master) as sock:
+        sock.sendall(request(path, {}))
         reply = read_reply(sock, 10)
-    assert reply.startswith(b"HTTP/1.1 404") and b"unknown_node" in reply  # answered by the job itself
+        assert reply.startswith(f"HTTP/1.1 {status}".encode()), reply[:200]
+        assert b"connection: close" not in reply.lower()  # kept alive: the case at hand
+        sock.sendall(b"G")
+        assert closed_by_peer(sock, 10)
+
+
+@pytest.mark.timeout(60)
+def test_an_unauthenticated_connection_that_sent_requests_is_evicted_before_an_authenticated_one(
+    start_master,
+) -> None:
+    """At the cap the oldest connection without a valid token makes room, even one that sent requests
+    (outside ``/v1``); connections that presented the token are never evicted."""
+    master = start_master(max_connections=3, header_timeout_s=30.0)
+    agent, browser = connect(master), connect(master)
+    try:
+        agent.sendall(request("/v1/status", AUTH))
+        assert read_reply(agent, 10).startswith(b"HTTP/1.1 200")
+        browser.sendall(request("/openapi.json", {}))
+        assert read_reply(browser, 10).startswith(b"HTTP/1.1 200")
+        with connect(master) as third, connect(master) as fourth:
+            third.sendall(request("/v1/status", AUTH))
+            assert read_reply(third, 10).startswith(b"HTTP/1.1 200")
+            assert closed_by_peer(browser, 10)  # the fourth's room
+            fourth.sendall(request("/v1/status", AUTH))
+            assert read_reply(fourth, 10).startswith(b"HTTP/1.1 200")
+            agent.sendall(request("/v1/status", AUTH))  # the agent's connection is still served
+            assert read_reply(agent, 10).startswith(b"HTTP/1.1 200")
+    finally:
+        agent.close()
+        browser.close()
+
+
+def connect_from(master: EmbeddedMaster, source: str) -> socket.socket:
+    return socket.create_connection((master.host, master.port), timeout=10, source_address=(source, 0))
+
+
+@pytest.mark.timeout(60)
+def test_unauthenticated_connections_are_capped_per_address_authenticated_ones_never(start_master) -> None:
+    """Beyond ``unauthenticated_per_address`` connections without a token from one address, the next is
+    answered 503 busy; an authenticated agent's connections (more than the cap, from the same address) are
+    never counted and keep being answered; another address is not affected."""
+    cap = 4
+    master = start_master(unauthenticated_per_address=cap, header_timeout_s=30.0)
+    agents: list[socket.socket] = []
+    slow: list[socket.socket] = []
+    try:
+        for _ in range(cap + 2):  # each authenticated in turn: then no longer counted against 127.0.0.1
+            agents.append(connect(master))
+            agents[-1].sendall(request("/v1/status", AUTH))
+            assert read_reply(agents[-1], 10).startswith(b"HTTP/1.1 200")
+        slow = [connect(master) for _ in range(cap)]
+        for sock in slow:
+            sock.sendall(b"GET / HTTP/1.1\r\nHo")  # a slowloris' start
+        with connect(master) as one_more:
+            reply = read_reply(one_more, 10)
+        assert reply.startswith(b"HTTP/1.1 503") and b'"busy"' in reply, reply
+        assert b"--max-unauthenticated-per-address" in reply
+        for agent in agents:
+            agent.sendall(request("/v1/status", AUTH))
+            assert read_reply(agent, 10).startswith(b"HTTP/1.1 200")
+        with connect_from(master, "127.0.0.2") as elsewhere:
+            elsewhere.sendall(request("/v1/status", AUTH))
+            assert read_reply(elsewhere, 10).startswith(b"HTTP/1.1 200")
+        slow.pop().close()  # one closes: its address has room again
+        with connect(master) as again:
+            again.sendall(request("/v1/status", AUTH))
+            assert read_reply(again, 10).startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in agents + slow:
+            sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_wrong_tokens_on_metrics_and_the_login_form_share_the_v1_limit(start_master) -> None:
+    """``/metrics`` and ``/ui/login`` count wrong tokens with ``/v1``: after 20 from one address, each
+    answers 429 (before, both allowed any number of guesses); a valid token is never limited."""
+    master = start_master()
+    base = f"http://{master.address}"
+    wrong = {"Authorization": "Bearer " + "w" * 20, JOB_HEADER: JOB_ID}
+    with httpx.Client(base_url=base, timeout=10) as browser:
+        assert browser.get("/ui/login").status_code == 200
+
+        def login(token: str) -> httpx.Response:  # each answer sets a new CSRF value
+            form = {"token": token, "csrf": browser.cookies["elastic_ui_csrf"]}
+            return browser.post("/ui/login", data=form)
+
+        codes = [login("w" * 20).status_code for _ in range(20)]
+        assert codes == [401] * 20, codes
+        limited = login("w" * 20)
+        assert limited.status_code == 429 and "Too many wrong tokens" in limited.text
+        assert limited.headers["retry-after"]
+        assert httpx.get(f"{base}/metrics", headers=wrong, timeout=10).status_code == 429  # shared count
+        assert httpx.get(f"{base}/v1/status", headers=wrong, timeout=10).status_code == 429
+        assert login(TOKEN).status_code == 303  # the right token: signed in
+    assert httpx.get(f"{base}/metrics", headers=AUTH, timeout=10).status_code == 200
+
+
+@pytest.mark.timeout(60)
+def test_twenty_wrong_tokens_on_metrics_answer_429(start_master) -> None:
+    master = start_master()
+    url = f"http://{master.address}/metrics"
+    wrong = {"Authorization": "Bearer " + "w" * 20}
+    codes = [httpx.get(url, headers=wrong, timeout=10).status_code for _ in range(21)]
+    assert codes == [401] * 20 + [429], codes
+    assert httpx.get(url, headers=AUTH, timeout=10).status_code == 200
 
 
 @pytest.mark.timeout(60)
@@ -260,3 +413,29 @@ def test_under_tls_a_connection_that_never_shakes_hands_is_closed_after_the_head
     master = start_master(tls_cert=str(cert), tls_key=str(key))
     with connect(master) as silent:
         assert closed_by_peer(silent, HEADER_TIMEOUT_S + 10)
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_connection_is_freed_without_the_cyclic_collector(start_master) -> None:
+    """The daemon collects cyclic garbage every 10 minutes only (master.service.gc_pacing): a closed
+    connection must be freed by reference counting, or a flood of short-lived connections piles up in
+    memory (before, its exchange and its scope's authentication callback held it in cycles)."""
+    from master.http.connection import HttpConnection
+
+    def live() -> int:
+        return sum(isinstance(o, HttpConnection) for o in gc.get_objects())
+
+    master = start_master(header_timeout_s=30.0)
+    gc.collect()
+    gc.disable()
+    try:
+        before = live()
+        for _ in range(20):
+            with connect(master) as sock:
+                sock.sendall(request("/v1/status", AUTH))
+                assert read_reply(sock, 10).startswith(b"HTTP/1.1 200")
+        guard = master._server.guard  # noqa: SLF001 - the test reads the server's count of connections
+        e2e.wait_until(lambda: not guard.connections, 10, "the master saw every connection close")
+        assert live() - before <= 1, live() - before  # at most one whose close is still being processed
+    finally:
+        gc.enable()

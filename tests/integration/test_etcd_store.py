@@ -205,6 +205,43 @@ def test_one_of_two_campaigners_leads_and_the_other_takes_over_when_it_closes(et
 
 
 @pytest.mark.timeout(60)
+def test_a_leader_that_resigns_hands_over_at_once_and_can_campaign_again(etcd_endpoint: str):
+    """``resign`` (a leader suspecting its own network, master.service.service): the lease is revoked, no
+    ``on_lost``, and the store stays open for the next campaign."""
+    job = new_job()
+
+    async def scenario() -> None:
+        a, b = EtcdStore(etcd_endpoint, job, lease_ttl_s=TTL), EtcdStore(etcd_endpoint, job, lease_ttl_s=TTL)
+        lost_a, lost_b = LostCounter(), LostCounter()
+        try:
+            await a.start()
+            await b.start()
+            await a.campaign("master-a", lost_a)
+            await a.save({"by": "a", "silent_incident": ["n1", "n2"]})
+            b_campaign = asyncio.create_task(b.campaign("master-b", lost_b))
+            assert await still_blocked(b_campaign, TTL / 2), "b waits while a leads"
+            await a.resign()
+            assert not a.leading
+            await asyncio.wait_for(b_campaign, 5.0)  # revoked: no wait for the lease to expire
+            assert await leader_of(b) == "master-b"
+            assert await b.load() == {"by": "a", "silent_incident": ["n1", "n2"]}, "the incident went over"
+            with pytest.raises(StoreError):
+                await a.save({"by": "a, resigned"})
+            a_again = asyncio.create_task(a.campaign("master-a", lost_a))
+            assert await still_blocked(a_again, TTL / 2), "the resigned store stands by"
+            await b.close()
+            await asyncio.wait_for(a_again, 5.0)
+            await a.save({"by": "a again"})
+            assert await a.load() == {"by": "a again"}
+            assert (lost_a.calls, lost_b.calls) == (0, 0), "resigning is quiet"
+        finally:
+            await a.close()
+            await b.close()
+
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
 def test_three_campaigners_elect_exactly_one_at_a_time(etcd_endpoint: str):
     job = new_job()
 

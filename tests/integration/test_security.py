@@ -1,8 +1,10 @@
-"""Security rules of the command lines: no public default token off loopback, no token in workers."""
+"""Security rules of the command lines: no public default token off loopback, no short token, no token in
+workers."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 from e2e import REPO, base_env, elastic_run_argv
@@ -55,3 +57,47 @@ def test_the_status_table_escapes_what_nodes_sent() -> None:
     assert "\x1b" not in table
     assert not [line for line in table.splitlines() if line.startswith("FAKE")], table
     assert "disk full\\nFAKE [elastic.master] job_succeeded\\x1b[2J" in table
+
+
+SHORT = "fifteen-bytes!!"  # one byte short of elastic.control.auth.MIN_TOKEN_BYTES
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("command", "where"),
+    [
+        (["master", "--job-id", "j", "--nnodes", "1", "--token-file", "{file}"], "file"),
+        (["agent", "--nnodes", "1", "--standalone", "--token-file", "{file}", SCRIPT], "file"),
+        (["agent", "--nnodes", "1", "--master", "127.0.0.1:1", SCRIPT], "env"),
+    ],
+    ids=["elastic-master", "elastic-run-token-file", "elastic-run-env"],
+)
+def test_a_token_shorter_than_16_bytes_is_refused_at_start_with_one_line_and_exit_2(
+    tmp_path, command: list[str], where: str
+) -> None:
+    """A short token is guessed even at the rate limit of wrong tokens: both command lines refuse one
+    before serving or connecting (before, a 1-character token was accepted)."""
+    token_file = tmp_path / "token"
+    token_file.write_text(SHORT + "\n")
+    token_file.chmod(0o600)
+    env = base_env() if where == "file" else base_env(ELASTIC_TOKEN=SHORT)
+    if where == "file":
+        env.pop("ELASTIC_TOKEN", None)
+    argv = [sys.executable, "-m", *(arg.replace("{file}", str(token_file)) for arg in command)]
+    result = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=50)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and ": error: " in lines[0] and "fewer than 16" in lines[0], result.stderr
+
+
+def test_created_and_derived_tokens_are_long_enough(tmp_path, monkeypatch) -> None:
+    """The tokens the project makes itself stay valid: a created token file, the convenience token derived
+    from a job id, and a token of exactly 16 bytes."""
+    from elastic.control.auth import MIN_TOKEN_BYTES, TOKEN_ENV, derived_token, job_token
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    created = job_token(str(tmp_path / "new-token"), create=True)
+    assert created is not None and job_token(str(tmp_path / "new-token")) == created
+    assert len(derived_token("j").encode()) >= MIN_TOKEN_BYTES
+    monkeypatch.setenv(TOKEN_ENV, "x" * MIN_TOKEN_BYTES)
+    assert job_token(None) == "x" * MIN_TOKEN_BYTES

@@ -15,15 +15,21 @@ import sys
 import textwrap
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
+import psutil
 import pytest
 from e2e import gone, wait_until
 
+from agent.workers._reaper_proc import start_ticks
 from agent.workers.errors_file import message_from_stderr, read_error_file
 from agent.workers.group import WorkerExit, WorkerGroup, WorkerGroupError, WorkerSpec
+from agent.workers.launchers import WorkerProcess
 from agent.workers.reaper import Reaper
+from agent.workers.tree import ProcessRef, RunningWorker, end_workers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BASE_ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONUNBUFFERED": "1"}
@@ -496,3 +502,131 @@ def test_the_agent_side_never_imports_torch() -> None:
         "import sys, agent.workers.group, agent.workers.reaper; sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=20).returncode == 0
+
+
+# -- only the agent's own processes, also under PID reuse; escaped sessions -------------------------------
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("guard", ["pidfd", "start-time"])
+def test_a_worker_pid_now_held_by_another_process_is_not_signalled(guard: str, leftovers: list[int]) -> None:
+    # The stop path as it meets a worker whose process was reaped and whose PID an unrelated process took
+    # since (pid_max is 32768 here). Forcing the kernel to hand out one PID again is not deterministic, so
+    # the reference is made as the stop path would hold it then: the pidfd (or the start time) of the
+    # reaped worker, with the PID that the stranger holds now. The stranger leads its own session: the
+    # worker's process group id is that PID too.
+    worker = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    leftovers.append(worker.pid)
+    worker_started = psutil.Process(worker.pid).create_time()
+    pidfd = os.pidfd_open(worker.pid) if guard == "pidfd" else -1
+    worker.kill()
+    worker.wait(timeout=10)  # reaped: its PID is free for anyone
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    leftovers.append(stranger.pid)
+    started = worker_started
+    if guard == "start-time" and psutil.Process(stranger.pid).create_time() == started:
+        started -= 1.0  # both in one clock tick: the worker held the PID at an earlier time all the same
+    ref = ProcessRef(stranger.pid, started, pidfd)
+    held = RunningWorker(0, 0, cast(WorkerProcess, stranger), Path("unused"), deque(), ref=ref)
+    try:
+        assert not ref.signal(signal.SIGTERM) and not ref.holds_pid()
+        end_workers([held], grace_s=0.0)  # SIGTERM, SIGCONT and SIGKILL to the group and descendants
+        assert stranger.poll() is None, "the stop path signalled a process that is not the worker"
+    finally:
+        ref.close()
+        stranger.kill()
+        stranger.wait(timeout=10)
+
+
+ESCAPING_WORKER = """
+    import os, signal, sys, time
+    # A double fork: the middle process starts a session, forks the escapee and exits, so the escapee is
+    # in neither the worker's process group nor its tree of children.
+    read_end, write_end = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.setsid()
+        if os.fork() == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only the grace period's SIGKILL ends it
+            os.write(write_end, str(os.getpid()).encode())
+            time.sleep(300)
+        os._exit(0)
+    os.waitpid(middle, 0)
+    escaped = os.read(read_end, 32).decode()
+    with open(sys.argv[1], "w") as f:
+        f.write(escaped)
+    time.sleep(300)
+"""
+
+FAKE_SUBREAPER_AGENT = """
+    import json, os, sys, time
+    import psutil
+    from agent.warm.starter import WarmLauncher
+    from agent.workers.group import WorkerGroup, WorkerSpec
+    from agent.workers.launchers import become_child_subreaper
+
+    assert become_child_subreaper()  # as elastic-run does at its start (agent.cli.startup)
+    pid_file, worker, mode = sys.argv[1:4]
+    env = {"PATH": "/usr/bin:/bin"}
+    launcher = None
+    if mode == "warm":  # forked from a zygote (no exec): the escapee's environment is the zygote's
+        launcher = WarmLauncher(env=env, preload=())
+        assert launcher.wait_ready(30), "the zygote did not start"
+    group = WorkerGroup(launcher=launcher)
+    group.start(WorkerSpec(argv=[sys.executable, worker, pid_file], envs=[env], global_ranks=[0]))
+    assert group.launched_by == mode, group.launched_by
+    deadline = time.monotonic() + 20
+    while not os.path.exists(pid_file) or not open(pid_file).read().strip():
+        assert time.monotonic() < deadline, "the worker published no pid"
+        time.sleep(0.01)
+    escaped = int(open(pid_file).read())
+    parent = psutil.Process(escaped).ppid()
+    group.stop(grace_s=0.5)
+    left = [(c.pid, c.status()) for c in psutil.Process().children() if c.pid != (launcher and launcher.pid)]
+    group.close()
+    if launcher is not None:
+        launcher.close()
+    print(json.dumps({"agent": os.getpid(), "escaped": escaped, "parent": parent, "left": left}), flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["exec", "warm"])
+def test_an_escaped_session_child_is_stopped_with_the_worker_and_reaped(
+    mode: str, tmp_path: Path, leftovers: list[int]
+) -> None:
+    pid_file = tmp_path / "escaped.pid"
+    worker = tmp_path / "worker.py"
+    worker.write_text(textwrap.dedent(ESCAPING_WORKER))
+    agent = subprocess.run(
+        [*python(FAKE_SUBREAPER_AGENT), str(pid_file), str(worker), mode],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=75,
+    )
+    if pid_file.exists() and pid_file.read_text().strip().isdigit():
+        leftovers.append(int(pid_file.read_text()))
+    assert agent.returncode == 0, agent.stderr
+    seen = json.loads(agent.stdout.splitlines()[-1])
+    assert seen["parent"] == seen["agent"], "the escapee was reparented to the subreaper agent"
+    assert gone(seen["escaped"]), "the escaped session child outlived the worker's stop"
+    assert seen["left"] == [], "the agent left a child behind (running or a zombie)"
+
+
+@pytest.mark.timeout(30)
+def test_the_reaper_spares_a_group_whose_leader_pid_changed_hands(leftovers: list[int]) -> None:
+    # The sentinel's own protocol, as a Reaper writes it: the group's id with its leader's start time. Here
+    # the PID is held by a stranger that started at another time (the worker was reaped, its PID reused).
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    leftovers.append(stranger.pid)
+    ticks = start_ticks(stranger.pid)
+    assert ticks is not None
+    source = (REPO_ROOT / "agent" / "workers" / "_reaper_proc.py").read_text()
+    sentinel = subprocess.Popen([sys.executable, "-I", "-S", "-c", source], stdin=subprocess.PIPE)
+    leftovers.append(sentinel.pid)
+    assert sentinel.stdin is not None
+    sentinel.stdin.write(f"+{stranger.pid}:{ticks + 1}\n".encode())
+    sentinel.stdin.close()  # as when the agent dies
+    assert sentinel.wait(timeout=10) == 0
+    assert stranger.poll() is None, "the sentinel killed a group that is not the worker's"
+    stranger.kill()
+    stranger.wait(timeout=10)

@@ -156,7 +156,7 @@ class Job:
         """Every agent exits 0 with 'job succeeded'."""
         for agent in agents:
             code = agent.wait(EXIT_S)
-            assert code == 0, f"{agent.log.name} exited {code}:\n{agent.workers.output()[-4000:]}"
+            assert code == 0, f"{agent.log.name} exited {code}:\n{agent.output()[-4000:]}"
             assert "job succeeded" in agent.output(), agent.output()[-3000:]
 
     def shut_down(self) -> None:

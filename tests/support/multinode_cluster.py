@@ -147,7 +147,7 @@ def remember_workers(*agents: Proc) -> None:
 def assert_succeeded(*agents: Proc) -> None:
     for agent in agents:
         code = agent.wait(EXIT_S)
-        assert code == 0, f"{agent.log.name} exited {code}:\n{agent.workers.output()[-4000:]}"
+        assert code == 0, f"{agent.log.name} exited {code}:\n{agent.output()[-4000:]}"
         assert "job succeeded" in agent.output()
 
 

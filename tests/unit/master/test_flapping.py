@@ -10,7 +10,7 @@ import pytest
 from job_builders import HB_TIMEOUT, LAST_CALL, join, join_req, kinds, make_job, new_kinds, running
 
 from elastic.control.job_settings import JobSettings, SettingsError
-from elastic.control.protocol import Command, HeartbeatRequest, NodeState
+from elastic.control.protocol import Command, HeartbeatRequest, JoinRequest, NodeState
 from master.cli.status import render_status
 from master.job.errors import NodeExcludedError, UnknownNodeError
 from master.job.flapping import FlapCounter, FlapPolicy
@@ -236,3 +236,64 @@ def test_off_when_the_limit_is_zero():
     flap_by_restarts(job, "c", ("a", "b"), 1.0, 5)
     assert job.flapping.excluded == {} and job.flapping.losses == {}
     assert "node_flapping_excluded" not in kinds(job)
+
+
+# -- default node ids (HOSTNAME-PID): counted per host name and advertised address ------------------------
+HOST_KEY = "gpu7@10.0.0.9"
+
+
+def _default_agent(job: Job, pid: int, address: str = "10.0.0.9") -> JoinRequest:
+    """The join of an agent started without --node-id on host gpu7: its id is elastic-run's HOSTNAME-PID."""
+    return join_req(job, f"gpu7-{pid}", host=address, default_id=True)
+
+
+def _crash_loop(job: Job, first_pid: int, losses: int, now: float) -> tuple[float, str]:
+    """An agent with a default id crashes ``losses`` times; each time its restart (a new PID, so a new id)
+    joins before the master declares the previous one dead. Returns the time after and the newest id."""
+    newest = f"gpu7-{first_pid}"
+    calls.join(job, _default_agent(job, first_pid), now)
+    for pid in range(first_pid + 1, first_pid + 1 + losses):
+        now += HB_TIMEOUT + 1.0  # the crashed agent is silent past the heartbeat timeout
+        crashed, newest = newest, f"gpu7-{pid}"
+        calls.join(job, _default_agent(job, pid), now - 0.5)
+        for node_id in ("a", "b", newest):
+            calls.heartbeat(job, _beat(job, node_id), now)
+        job.tick(now)
+        assert crashed not in job.nodes, f"{crashed} declared dead"
+    return now, newest
+
+
+def test_a_default_id_crash_loop_is_excluded_per_host_and_address():
+    job = flap_job(max_nodes=2)  # the looping agent waits for a place: its losses count all the same
+    running(job, 0.0, "a", "b")
+    now, newest = _crash_loop(job, 100, LIMIT, 0.0)
+    assert job.flapping.count(HOST_KEY, now) == LIMIT and not job.flapping.excluded, "every id lost once"
+    now, newest = _crash_loop(job, 200, 1, now)  # one more loss: more than the limit within the window
+    exclusion = job.flapping.excluded[HOST_KEY]
+    assert exclusion.by_host and exclusion.count == LIMIT + 1
+    assert newest not in job.nodes, "the loop's live agent goes with the exclusion"
+    assert "node_flapping_excluded" in kinds(job)
+    with pytest.raises(NodeExcludedError, match=r"default node ids \(HOSTNAME-PID\) at gpu7@10\.0\.0\.9"):
+        calls.join(job, _default_agent(job, 300), now + 1.0)  # the next restart, under yet another id
+    calls.join(job, _default_agent(job, 301, address="10.0.0.10"), now + 1.0)  # another address: let in
+    calls.join(job, join_req(job, "gpu7-302", host="10.0.0.9"), now + 1.0)  # an explicit id
+    taken = calls.restored(job, Job.restore(job.settings, job.snapshot(), now=now + 2.0))
+    with pytest.raises(NodeExcludedError, match="for flapping"):
+        calls.join(taken, _default_agent(taken, 303), now + 2.0)  # durable
+    taken.readmit(HOST_KEY, now + 3.0)  # the operator's command names the host and address
+    calls.join(taken, _default_agent(taken, 304), now + 3.0)
+
+
+def test_explicit_ids_on_one_host_are_counted_per_id():
+    job = flap_job(max_nodes=2)
+    running(job, 0.0, "a", "b")
+    now = 0.0
+    ids = [f"gpu7-{i}" for i in range(LIMIT + 1)]  # several nodes of one host and address (tests, SLURM)
+    for node_id in ids:
+        calls.join(job, join_req(job, node_id, host="10.0.0.9"), now)
+    now += HB_TIMEOUT + 1.0
+    for node_id in "ab":
+        calls.heartbeat(job, _beat(job, node_id), now)
+    job.tick(now)  # all of them lost at once: one loss per id
+    assert not any(node_id in job.nodes for node_id in ids)
+    assert not job.flapping.excluded and all(job.flapping.count(i, now) == 1 for i in ids)

@@ -116,7 +116,8 @@ def test_watch_of_a_node_the_master_does_not_know_is_an_error_not_a_rejoin():
         calls.watch(job, "ghost", 1)
     running(job, 1.0, "a", "b")
     assert calls.watch(job, "a", 1).command is Command.CONTINUE
-    job.tick(1.0 + HB_TIMEOUT + 0.1)  # both declared dead: the master forgets them
+    job.tick(1.0 + HB_TIMEOUT + 0.1)  # both silent at once: the master suspects itself and holds
+    job.tick(1.0 + 2 * HB_TIMEOUT + 0.2)  # both declared dead: the master forgets them
     with pytest.raises(UnknownNodeError):
         calls.watch(job, "a", 1)
 

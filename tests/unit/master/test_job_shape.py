@@ -4,7 +4,7 @@ DESIGN.md, "Layers": no free function that mutates another module's object. The 
 methods of :class:`master.job.job.Job` (or of the parts it owns, on their own state): a free function
 anywhere in ``elastic/``, ``master/`` or ``agent/`` (inside ``master/job/`` too) that takes a job and
 assigns its attributes is what the job was once spread over. Two of the job's figures have one writer
-each: the restart count (:class:`master.job.budget.RestartBudget`) and the durable version
+each: the restart count (:class:`master.job.accounting.RestartBudget`) and the durable version
 (``Job.record`` and ``Job.note_durable_change``). Each rule is shown to catch a planted module.
 """
 

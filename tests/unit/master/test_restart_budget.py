@@ -111,6 +111,7 @@ def test_a_failure_after_the_restart_round_closed_is_not_refunded_by_a_later_los
     job.tick(1.2)  # every member came back: the restart round closes, the charge is settled
     assert job.restart_count == 1
     beat(job, "a", 1.3)
+    beat(job, "a", 1.3 + HB_TIMEOUT)
     job.tick(1.3 + HB_TIMEOUT + 0.1)  # b never heartbeats again: dead, a membership change of its own
     assert "b" not in job.nodes
     assert job.restart_count == 1, "the closed round's failure stays charged"

@@ -130,7 +130,10 @@ def test_a_waiting_nodes_change_wakes_its_own_long_polls_and_a_round_change_wake
         watch.step(lambda node_id=node_id: beat(job, node_id, 5.0 + HB_TIMEOUT))
     effects = watch.step(lambda: job.tick(5.0 + HB_TIMEOUT + 0.1))  # e went silent: declared dead
     assert effects.wake_only == {"e"} and "e" not in job.nodes
-    effects = watch.step(lambda: job.tick(5.0 + 2 * HB_TIMEOUT + 0.2))  # a and b went silent too
+    # a and b went silent too, at once: the master suspects itself and holds (master.job.liveness)
+    held = watch.step(lambda: job.tick(5.0 + 2 * HB_TIMEOUT + 0.2))
+    assert [e.kind for e in held.events] == ["master_suspected"]
+    effects = watch.step(lambda: job.tick(5.0 + 3 * HB_TIMEOUT + 0.3))  # then declares them dead
     assert effects.wake and effects.wake_only is None, "members lost: the round reopens for everyone"
 
 
