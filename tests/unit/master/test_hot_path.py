@@ -67,7 +67,10 @@ def steady(job: Job, node_id: str, step: int = 10) -> HeartbeatRequest:
 
 
 def lines_run(action: Callable[[], object]) -> int:
-    """The Python lines run by ``action()`` (every frame it enters, the job's and the libraries')."""
+    """The Python lines run by ``action()`` (every frame it enters, the job's and the libraries').
+
+    The cyclic collector is run before and held off during ``action()``: a collection that falls inside
+    it would run the finalizers of objects earlier tests left behind, and their lines would be counted."""
     count = 0
 
     def tracer(frame, event: str, arg: object):
@@ -75,12 +78,17 @@ def lines_run(action: Callable[[], object]) -> int:
         count += event == "line"
         return tracer
 
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
     previous = sys.gettrace()
     sys.settrace(tracer)
     try:
         action()
     finally:
         sys.settrace(previous)
+        if was_enabled:
+            gc.enable()
     return count
 
 
