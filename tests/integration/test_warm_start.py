@@ -26,6 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 from e2e import gone, wait_until
+from worker_exits import Exits
 
 from agent.warm.starter import PER_WORKER_VARIABLES, READY_WAIT_S, WarmLauncher, env_difference, parse_command
 from agent.workers.group import WorkerExit, WorkerGroup, WorkerSpec
@@ -40,27 +41,6 @@ MODES = ["exec", "warm"]
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
-class Exits:
-    """The exits a group reports to its ``on_exit`` callback (the agent loop's path), read in order."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[WorkerExit] = queue.Queue()
-
-    def __call__(self, exit_: WorkerExit) -> None:
-        self._queue.put(exit_)
-
-    def next(self, timeout: float = 60.0) -> WorkerExit:
-        """The next exit reported; fails the test when none comes within ``timeout`` seconds."""
-        try:
-            return self._queue.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"no worker exit within {timeout}s") from None
-
-    def empty(self) -> bool:
-        """True when every exit reported so far has been read."""
-        return self._queue.empty()
-
-
 def write(path: Path, code: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(code))
@@ -137,7 +117,7 @@ def groups(
 
 def run(group: WorkerGroup, spec: WorkerSpec, mode: str) -> list[WorkerExit]:
     """Start ``spec``, check it was started in ``mode``, and return every exit by local rank."""
-    reported = Exits()
+    reported = Exits(timeout_s=60.0)
     group.start(spec, reported)
     assert group.launched_by == mode
     return sorted((reported.next() for _ in range(spec.nprocs)), key=lambda e: e.local_rank)
@@ -444,7 +424,7 @@ def time_to_first_line(group: WorkerGroup, spec: WorkerSpec, stamp: Path, mode: 
     """Seconds from ``start()`` until the worker has imported torch and built an optimizer."""
     stamp.unlink(missing_ok=True)
     started = time.monotonic()
-    exits = Exits()
+    exits = Exits(timeout_s=60.0)
     group.start(spec, exits)
     assert group.launched_by == mode
     assert exits.next().returncode == 0
@@ -523,7 +503,7 @@ def test_stop_ends_warm_workers_and_the_zygote_serves_the_next_start(
     group = groups("warm")
     for _ in range(2):
         stamp.unlink(missing_ok=True)
-        exits = Exits()
+        exits = Exits(timeout_s=60.0)
         group.start(spec, exits)
         assert group.launched_by == "warm"
         pids = group.pids
@@ -587,7 +567,7 @@ def test_fallback_to_exec_before_the_zygote_is_ready_and_after_it_died(
         assert any("imported torch, torch._dynamo (torch" in m for m in messages), messages
         assert any("not preloaded: no_such_module_for_this_test" in m for m in messages), messages
         stamp.unlink(missing_ok=True)
-        exits = Exits()
+        exits = Exits(timeout_s=60.0)
         group.start(spec, exits)
         assert group.launched_by == "warm"
         warm_worker = group.pids[0]

@@ -23,6 +23,7 @@ from typing import cast
 import psutil
 import pytest
 from e2e import gone, wait_until
+from worker_exits import Exits
 
 from agent.workers._reaper_proc import start_ticks
 from agent.workers.errors_file import message_from_stderr, read_error_file
@@ -48,27 +49,6 @@ def spec_for(argv: list[str], nprocs: int = 1, **kwargs: object) -> WorkerSpec:
 def read_pid(path: Path) -> int:
     wait_until(lambda: path.exists() and path.read_text().strip().isdigit(), 10, f"pid file {path}")
     return int(path.read_text())
-
-
-class Exits:
-    """The exits a group reports to its ``on_exit`` callback (the agent loop's path), read in order."""
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[WorkerExit] = queue.Queue()
-
-    def __call__(self, exit_: WorkerExit) -> None:
-        self._queue.put(exit_)
-
-    def next(self, timeout: float = 10.0) -> WorkerExit:
-        """The next exit reported; fails the test when none comes within ``timeout`` seconds."""
-        try:
-            return self._queue.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"no worker exit within {timeout}s") from None
-
-    def empty(self) -> bool:
-        """True when every exit reported so far has been read."""
-        return self._queue.empty()
 
 
 @pytest.fixture

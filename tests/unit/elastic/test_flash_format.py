@@ -10,7 +10,6 @@ import math
 import socket
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -231,20 +230,6 @@ def test_legacy_torch_save_files_still_load_from_disk_and_bytes(tmp_path: Path) 
     torch.save({"step": 1, "state": {"x": socket.AF_INET}}, evil)
     with pytest.raises(Exception):  # noqa: B017 - torch raises its own unpickling error
         checkpoint.parse_checkpoint(evil.getvalue(), "cpu")
-
-
-@pytest.fixture
-def flash_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A worker's environment under an agent, without the agent (reports go nowhere)."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    for name in ("RANK", "WORLD_SIZE", "GROUP_RANK", "ELASTIC_CKPT_DIR", "ELASTIC_COMMITTED_STEP"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("ELASTIC_SHM_DIR", str(shm))
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("ELASTIC_AGENT_SOCKET", str(tmp_path / "nobody.sock"))
-    yield shm
-    flash.close_all()
 
 
 @pytest.mark.timeout(30)

@@ -11,7 +11,6 @@ import re
 import struct
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -249,20 +248,6 @@ def test_the_reader_hands_out_the_stream_in_the_sizes_asked() -> None:
         parts.append(part)
     assert len(b"".join(parts)) == len(whole)
     assert_same(torch_load(b"".join(parts))["state"], state)
-
-
-@pytest.fixture
-def flash_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A worker's environment under an agent, without the agent (reports go nowhere)."""
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    for name in ("RANK", "WORLD_SIZE", "GROUP_RANK", "ELASTIC_CKPT_DIR", "ELASTIC_COMMITTED_STEP"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("ELASTIC_SHM_DIR", str(shm))
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("ELASTIC_AGENT_SOCKET", str(tmp_path / "nobody.sock"))
-    yield shm
-    flash.close_all()
 
 
 @pytest.mark.timeout(30)
