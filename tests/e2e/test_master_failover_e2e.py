@@ -22,6 +22,7 @@ each test also checks that nothing it started is left running.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -49,6 +50,8 @@ from failover_cluster import (
     steps_of,
 )
 
+from agent.checkpoints.fence import FENCE_FILE
+from elastic.checkpoint import layout
 from elastic.control.protocol import API_PREFIX
 
 pytestmark = [pytest.mark.slow, pytest.mark.etcd]
@@ -337,6 +340,14 @@ def test_memory_store_master_restart_is_reported_to_agents_which_rejoin_and_fini
         assert first[1:] == (2, 0, 0) and second[1] == 2 and second[3] >= 10, starts(agent)
     assert re.search(rf"^\[rank0\]:done step={steps}$", "".join(a.output() for a in agents), re.M)
     assert "leads job" in restarted.output()
+    # Nothing lost on disk either: the restarted master is a new job incarnation (its memory is gone), and
+    # --ckpt-dir's fence takes its persists: the last step is durable and nothing was superseded.
+    assert layout.read_marker(job.ckpt_dir) == job.ckpt_dir / layout.step_file_name(steps)
+    assert json.loads((job.ckpt_dir / FENCE_FILE).read_text())["incarnation"], (
+        "the fence names the incarnation"
+    )
+    for agent in agents:
+        assert "was not persisted" not in agent.output(), agent.output()[-3000:]
     job.shut_down()
 
 
