@@ -23,6 +23,28 @@ DEFAULT_HANG_TIMEOUT_S = 600.0
 SHUTDOWN_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 #: Always handled as shutdown, listed or not: the agent's own stop signals must never kill it abruptly.
 ALWAYS_HANDLED = frozenset({signal.SIGTERM, signal.SIGINT})
+#: The pre-emption warning (``--preempt-signal``): SLURM's ``--signal=USR1@90`` before a time limit or a
+#: pre-emption. The agent stops as for SIGTERM (the keeper persists the newest flash step) but exits 1.
+DEFAULT_PREEMPT_SIGNAL = "USR1"
+
+
+def preempt_signal(text: str) -> signal.Signals | None:
+    """``--preempt-signal``'s value: a signal name (``USR1`` or ``SIGUSR1``, any case), or ``none``.
+
+    Raises ValueError for an unknown name, a signal no process can handle (SIGKILL, SIGSTOP) and one
+    that already stops the agent (SIGTERM, SIGINT, SIGHUP, SIGQUIT exit 128+N, as torchrun)."""
+    name = text.strip().upper()
+    if name in ("", "NONE"):
+        return None
+    if not name.startswith("SIG"):
+        name = "SIG" + name
+    try:
+        sig = signal.Signals[name]
+    except KeyError:
+        raise ValueError(f"unknown signal {text!r}") from None
+    if sig in (signal.SIGKILL, signal.SIGSTOP) or sig in SHUTDOWN_SIGNALS:
+        raise ValueError(f"{sig.name} cannot be the pre-emption signal")
+    return sig
 
 
 @dataclass(frozen=True)
@@ -48,6 +70,9 @@ class AgentSettings:
     job: JobSettings  # the job settings this agent expects (and hosts, when it embeds the master)
     token: str
     node_id: str
+    #: No token was given off loopback and torchrun's spelling opted in: the token is the one derived from
+    #: the job id, which anyone can compute (elastic.control.listener_rules.UNAUTHENTICATED).
+    unauthenticated: bool = False
     #: ``node_id`` is elastic-run's default HOSTNAME-PID (no --node-id): the master counts its losses per
     #: host and address (master.job.flapping), since a restarted agent comes back under a new id.
     node_id_is_default: bool = False
@@ -74,6 +99,8 @@ class AgentSettings:
     replication_lag: int = 1
     #: Cap of one push's bandwidth in MB/s; 0: none.
     replication_bandwidth: float = 0.0
+    #: MiB of this node's shared memory one peer's replica may take; 0: the /dev/shm size / (replicas + 2).
+    replication_peer_cap: int = 0
     stop_grace_s: float = DEFAULT_STOP_GRACE_S
     master_timeout_s: float = DEFAULT_MASTER_TIMEOUT_S
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
@@ -86,6 +113,14 @@ class AgentSettings:
     per_rank_env: tuple[Mapping[str, str], ...] = ()
     #: Signals that stop the agent, and signals it forwards to its workers (--signals-to-handle).
     signals: SignalPlan = field(default_factory=SignalPlan)
+    #: The pre-emption warning (--preempt-signal): stop as for SIGTERM, persist the newest flash step, exit
+    #: 1 (retryable: requeue the job). A signal --signals-to-handle also lists is forwarded instead. None:
+    #: off.
+    preempt_signal: signal.Signals | None = signal.SIGUSR1
+    #: SLURM's name of this node (SLURMD_NODENAME): before each join the agent asks sinfo for its state and
+    #: refuses to join (exit 4) when SLURM drains it, or declared it down or failed
+    #: (agent.executor.slurm_state). None: not under SLURM, no check.
+    slurm_node: str | None = None
     #: --event-log-handler: "console" prints lifecycle events, anything else drops them
     #: (agent.observe.events).
     event_log_handler: str = "null"

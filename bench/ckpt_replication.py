@@ -4,8 +4,8 @@ In this process: a real :class:`~agent.checkpoints.replica_server.ReplicaServer`
 :class:`~agent.checkpoints.replication.Replicator` over loopback TCP (threads), a node's sharded save of
 ``MB`` as files in a shared-memory folder.
 
-* ``replication push``: from ``on_saved`` to every byte received, hashed (sha256 on both sides) and
-  committed by the peer; against
+* ``replication push``: from ``on_saved`` to every byte received, hashed (sha256 on both sides), MACed
+  (HMAC-SHA256 under the push's key, both sides) and committed by the peer; against
 * ``loopback TCP``: the same bytes through a plain socket pair (``sendall`` / ``recv_into``), the
   transport's limit on this machine;
 * ``lag wait``: saves back to back (no compute between them) under the lag bound 1: how long each save
@@ -28,6 +28,7 @@ from pathlib import Path
 
 from agent.checkpoints.replica_server import ReplicaServer
 from agent.checkpoints.replication import Replicator
+from agent.checkpoints.replication_wire import pair_key
 from elastic.checkpoint import shard_layout as sl
 
 _CHUNK = 4 << 20
@@ -88,9 +89,11 @@ def bench_replication(megabytes: float, repeats: int) -> dict:
     a, b = work / "A", work / "B"
     a.mkdir()
     b.mkdir()
-    server = ReplicaServer(b, "bench", "bench-token", "127.0.0.1").start()
-    sender = Replicator(a, "bench", "nodeA", "bench-token", replicas=1, lag_bound=1).start()
-    sender.set_targets([f"127.0.0.1:{server.port}"])
+    server = ReplicaServer(b, "bench", "127.0.0.1").start()
+    receiver_key = os.urandom(32)  # as the master hands it out (master.job.views.replication_fields)
+    server.set_key(receiver_key.hex())
+    sender = Replicator(a, "bench", "nodeA", replicas=1, lag_bound=1).start()
+    sender.set_targets([f"127.0.0.1:{server.port}"], [pair_key(receiver_key, "nodeA").hex()])
     pushes, loopbacks, waits, lags = [], [], [], []
     try:
         for step in range(1, repeats + 1):

@@ -101,6 +101,7 @@ async def _with_etcd(
     for i in (0, 1):
         argv = master_argv(sized, ports[i], job, token_file, events[i]) + ["--store", store]
         masters.append(group.launch(argv, f"master-{i}"))
+        args.placement.master(masters[i].pid)  # its core, and its own CPU limit with --master-cpu
         if why := wait_listening(masters[i], ports[i]):
             return {"failover_error": why}
     tls = client_tls(args)

@@ -158,3 +158,20 @@ def num_fds(pid: int) -> int | None:
         return psutil.Process(pid).num_fds()
     except psutil.Error:
         return None
+
+
+async def scrape_gauge(port: int, token: str, name: str, tls: ssl.SSLContext | None = None) -> float | None:
+    """The value of gauge ``name`` on the master's ``/metrics`` (None: not served, or no answer in 10 s)."""
+    import httpx  # only for this scrape
+
+    url = f"{'https' if tls else 'http'}://{HOST}:{port}/metrics"
+    try:
+        async with httpx.AsyncClient(trust_env=False, verify=tls or True, timeout=10.0) as client:
+            reply = await client.get(url, headers={"Authorization": f"Bearer {token}"})
+    except httpx.HTTPError:
+        return None
+    for line in reply.text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            with contextlib.suppress(ValueError):
+                return float(line.rsplit(" ", 1)[1])
+    return None

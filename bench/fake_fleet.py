@@ -68,6 +68,7 @@ class Node:
         self.joined_at: float | None = None  # the first join's reply (the first round's figures)
         self.assigned_at: float | None = None  # the first assignment
         self.back_at: float | None = None  # first heartbeat answered 200 after the failover mark
+        self.hold_until = 0.0  # no heartbeat before: an overloaded master shed the last (fleet_beats.py)
 
     def set_state(self, link: Link) -> None:
         body: dict[str, Any] = {"node_id": self.id, "round": self.round, "state": "waiting"}
@@ -238,6 +239,7 @@ class Fleet:
                 "late": w.late,
                 "slow": w.slow,
                 "late_max": w.late_max,
+                "held": w.held,
             }
         if kind == "failover":
             self.beats.failover_at = cmd["t"]

@@ -3,7 +3,10 @@ reply callbacks, not a coroutine, sleep or task per beat, so that the load gener
 
 Each node beats on a fixed schedule (a random phase, a small jitter per beat). A beat that falls due while
 the node's previous one is unanswered is skipped, as the agent's single heartbeat thread would: it counts as
-offered, not sent. A beat goes straight onto the node's open connection; when there is none, or it is lost
+offered, not sent; so is one due while the node waits the ``retry_after_s`` of a beat an overloaded master
+shed (``429 busy``), as the agent's stream client waits (counted as held).
+
+A beat goes straight onto the node's open connection; when there is none, or it is lost
 or answered 503 (a standby), the beat goes the slow way, :meth:`bench.fleet_wire.Link.call`, which tries
 the other master addresses in turn, each once, as the agent's client does. A beat that fails there is
 retried at the node's next beat (the random phases spread the retries over the interval, as the agent's
@@ -66,6 +69,7 @@ class Window:
     slow: Counter = field(default_factory=Counter)  # send second (epoch) -> beats answered after SLOW_S
     late: int = 0  # beats this process fired more than LATE_S after they were due (its own lag)
     late_max: float = 0.0
+    held: int = 0  # beats not sent: the node waited the retry_after_s of a shed beat
 
 
 class Beating(Protocol):
@@ -76,6 +80,7 @@ class Beating(Protocol):
     must_rejoin: bool  # set when the master forgot the node (404) or says "rejoin"
     running: bool  # holds an assignment
     back_at: float | None  # first beat answered 200 after the failover mark
+    hold_until: float  # no beat before this time: an overloaded master's retry_after_s (a shed beat)
 
 
 class Beats:
@@ -117,6 +122,10 @@ class Beats:
             w.late_max = max(w.late_max, late)
             w.late += late > LATE_S
         if node.beating:
+            return
+        if now < node.hold_until:  # the master shed its last beat and asked it to wait (as the agent does)
+            if counted:
+                w.held += 1
             return
         node.beating = True
         if counted:
@@ -170,6 +179,12 @@ class Beats:
         current = node.beat is beat.data
         if not ok:
             self.samples.setdefault(f"heartbeat: {status}", str(reply)[:300])
+            if (
+                status == 429
+                and isinstance(reply, dict)
+                and isinstance(reply.get("retry_after_s"), (int, float))
+            ):
+                node.hold_until = time.time() + reply["retry_after_s"]  # shed: wait, as the agent does
             node.must_rejoin = node.must_rejoin or (current and status == 404)  # unknown_node: join again
         elif (command := reply.get("command") if isinstance(reply, dict) else reply) != "continue":
             self.commands[f"heartbeat: {command}"] += 1  # the master wants something of this node

@@ -41,6 +41,7 @@ class WindowFigures:
     late: int  # beats the load generator fired more than fleet_beats.LATE_S late (its own lag)
     late_max_ms: float
     slow: dict[int, int]  # second (epoch, as sent) -> beats answered after fleet_beats.SLOW_S
+    held: int = 0  # beats not sent: their node waited the retry_after_s of a beat the master shed
 
 
 class Fleet:
@@ -150,6 +151,7 @@ class Fleet:
             late=sum(a["late"] for a in answers),
             late_max_ms=1e3 * max(a["late_max"] for a in answers),
             slow=dict(sorted(slow.items())),
+            held=sum(a.get("held", 0) for a in answers),
         )
 
     async def mark_failover(self, t: float) -> None:

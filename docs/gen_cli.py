@@ -23,8 +23,12 @@ reads torchrun's `PET_*` environment defaults (`PET_NPROC_PER_NODE`, `PET_NNODES
 so a torchrun command line works after replacing the command name. Differences:
 
 - `--max-restarts` defaults to 3 (torchrun: 0) and counts job-wide failures; membership changes are free.
-- `--rdzv-backend` is accepted and ignored: the elastic master is always used. With `--rdzv-endpoint` and no
-  `elastic-master` answering there, the first agent on that host embeds one (convenience mode).
+- `--rdzv-backend` is accepted and ignored: the elastic master is always used. With torchrun's spellings of
+  the rendezvous (`--rdzv-endpoint` with `--rdzv-backend c10d`, the default; or `--master-addr`/
+  `--master-port`) on an address of this host and no `elastic-master` answering there, the first agent on
+  that host embeds one (convenience mode). A `--master` address that does not answer is waited for
+  (`--master-timeout`, then exit 1), never hosted, unless `--host-master` asks for it; an address where
+  another service answers (`HOST:PORT is not an elastic-master (HTTP 404, text/html)`) exits 2.
 - `--monitor-interval`, `--start-method`, `--run-path`, `--node-rank`, `--logs-specs` and `--numa-binding` are
   accepted and have no effect here; each prints one warning line when given. Worker output is shown with a
   `[rankN]:` prefix and, with `--log-dir`, written under it; `--redirects`, `--tee`, `--local-ranks-filter`
@@ -32,10 +36,107 @@ so a torchrun command line works after replacing the command name. Differences:
   Every torchrun flag and what elastic-run does with it: [torchrun.md](torchrun.md).
 - Unknown flags are an error (exit 2), with a one-line message.
 
-Exit codes of `elastic-run`: 0 success; 1 job failed (restarts exhausted, rendezvous timeout, master
-lost); 2 bad command line, or settings or a node id rejected by the master (another live agent uses
-the `--node-id`, or took it over); 128+N when stopped by signal N (129 SIGHUP,
-130 SIGINT, 131 SIGQUIT, 143 SIGTERM).
+`elastic-run` exits with the codes of the table below (["Exit codes"](#exit-codes)).
+
+## Platforms
+
+`elastic-run script.py`, with no other flag, reads where it runs from the environment its scheduler sets
+(`agent/cli/platforms.py`) and logs one line at start naming the platform, each value it took and every
+variable it read (`platform SLURM (srun): nnodes 2, rdzv-endpoint gpu07:29400, rdzv-id slurm-4242,
+node-id slurm-4242-node1; node rank 1; master on gpu07; from SLURM_JOB_ID, ...`). **Flags given on the
+command line win**; a `--master`, `--rdzv-endpoint`, `--master-addr`/`--master-port` or `--standalone`
+keeps the platform's rendezvous out. Variables that name a platform but miss a value it needs are one line
+and exit 2.
+
+- **PyTorchJob v1, elastic (Kubeflow training-operator)**: reads `PET_RDZV_ENDPOINT`, `PET_NNODES`,
+  `PET_NPROC_PER_NODE` (`PET_N_PROC_PER_NODE` before 1.7), `PET_RDZV_BACKEND`, `PET_RDZV_ID`; gives the
+  rendezvous (`<job>-worker-0:PORT`), node range, workers per node; job id `PET_RDZV_ID` or the job's name;
+  node id the pod's host name.
+- **PyTorchJob v1, static (a Master replica)**: reads `MASTER_ADDR`, `MASTER_PORT`, `WORLD_SIZE`, `RANK`;
+  `WORLD_SIZE` and `RANK` count **pods** here: the node count and the pod's index, never a worker's
+  world size or rank (the agent sets those per worker).
+- **TrainJob v2 (Kubeflow Trainer)**: reads `PET_NNODES`, `PET_NPROC_PER_NODE`, `PET_NODE_RANK`,
+  `PET_MASTER_ADDR`, `PET_MASTER_PORT`; static: the job goes on after a pod loss only while
+  `--nnodes`'s minimum remains (give `--nnodes MIN:N` to train on without the replacement); job id the
+  TrainJob's name.
+- **JobSet; indexed Job**: reads `JOB_COMPLETION_INDEX` and the stable host name
+  `<jobset>-<replicatedJob>-<jobIndex>-<podIndex>` (`<job>-<index>`); gives the master at the pod whose
+  indexes are 0, in this pod's DNS domain, port 29400; node id the host name. Neither says the node count:
+  give `--nnodes` (or `PET_NNODES`).
+- **SLURM (one agent per node under `srun`)**: reads `SLURM_JOB_ID`, `SLURM_NODEID` (else `SLURM_PROCID`),
+  `SLURM_JOB_NODELIST`, `SLURM_NNODES`, `SLURM_RESTART_COUNT`, `MASTER_PORT`; gives the master on the node
+  list's first host (`n[1-2]` lists are expanded; a name that does not resolve is looked up with `scontrol
+  show node NAME`'s NodeAddr), port `MASTER_PORT` or 29400; job id `slurm-<SLURM_JOB_ID>`; node id
+  `slurm-<job>-node<rank>`.
+- **SkyPilot**: reads `SKYPILOT_NODE_RANK`, `SKYPILOT_NODE_IPS`, `SKYPILOT_NUM_NODES`,
+  `SKYPILOT_NUM_GPUS_PER_NODE`, `SKYPILOT_TASK_ID`, `MASTER_PORT`; gives the master on the head node (the
+  first address); job id the task id (stable across a managed job's recoveries); node id `node<rank>`.
+
+The platform's rendezvous is torchrun's c10d spelling: the agent on the master's host hosts the master
+(convenience mode), and without a token file the job is unauthenticated, as torchrun's is (one warning line;
+[security.md](security.md#unauthenticated-c10d-jobs)). A replacement pod or node comes back under the same
+node id (its slot's), so it replaces the lost one.
+
+## Log lines
+
+Every line of `elastic-run` and `elastic-master` is `TIME LEVEL NODE [LOGGER] MESSAGE`: TIME in ISO 8601
+UTC with milliseconds (`2025-01-31T12:00:00.123Z`), NODE the agent's node id or `master` (an agent that
+hosts the master logs the master's lines under its own node id). `--log-format json` writes one JSON object
+a line instead (`time`, `level`, `node`, `logger`, `message`, and `exc_info` for an exception), for log
+shippers. Workers' output is not reformatted: each line is prefixed `[rankN]:` once (a line that already
+starts with it, as torch's tracebacks do, is shown as it is). `elastic-run --quiet` leaves warnings, errors,
+the job's outcome, the `--standalone` master's address and the workers' output. `--version` prints the
+installed version.
+
+An agent that waits says why: at once, then every 10 s, while no master answers (`no answer from A:29400
+for 12 s; standby B:29400 answers 503 not_leader; waiting, giving up after --master-timeout 300 s`), and at
+the first failed call when a master is lost mid-run (`lost the job master: ...; the workers keep training
+meanwhile`), until `the job master answers again`.
+
+`--standalone` logs `standalone master at 127.0.0.1:PORT (job J), token file F (removed at exit):
+elastic-master status --master ... --token-file F; status page http://127.0.0.1:PORT/ui, metrics ...`: the
+token file is written to a private temporary folder (0700, the file 0600), never the working directory or
+`--ckpt-dir`, and removed when the agent is gone.
+
+## Exit codes
+
+One table for `elastic-run` and `elastic-master` (`elastic/exit_codes.py`), for pod failure policies and
+SLURM scripts:
+
+- **0**: success, and the newest checkpoint step is durable. Caused by: every worker exited 0
+  (`elastic-master --exit-on-job-end`: the job succeeded and no node reports a persist newer than the newest
+  persisted step, or a persist error).
+- **1**: retryable failure: started again, it may succeed. Caused by: the restart budget spent on worker
+  failures, a rendezvous timeout, no master answered within `--master-timeout`, the newest step not durable
+  at the end (the agent says where its copy is kept), a port in use past `--bind-timeout`
+  (`elastic-master`), the pre-emption signal (`--preempt-signal`, SIGUSR1: the newest step persisted first).
+- **2**: usage or settings error: fix the command. Caused by: a bad flag or value, a refused or missing
+  token (a `--master` off loopback without `--token-file`), settings that disagree with the master's, a node
+  id another live agent uses, an address that is not an elastic-master, a platform's incomplete variables.
+- **3**: failed for good: do not retry. Caused by: a deterministic failure (a crash loop, a recurring NaN or
+  loss spike) the job's policy declares final; the master's outcome carries it to every agent (the policy
+  issue's rules set it; `elastic-master --exit-on-job-end` exits with it too).
+- **4**: this node is unhealthy: replace the node. Caused by: this node excluded: flapping (lost more than
+  `--flap-limit` times in `--flap-window`), a failed node check, SLURM reports it drained, down or failed
+  ([slurm.md](slurm.md)), and the policies to come (suspect hardware, an evicted straggler); the job may go
+  on without it.
+- **128+N**: stopped by signal N. Caused by: 129 SIGHUP, 130 SIGINT, 131 SIGQUIT, 143 SIGTERM (the agent
+  stops its workers first).
+
+`elastic-master` ends by the signal that stopped it (143 for SIGTERM, after stepping down), exits 1 when
+one of its tasks failed (a standby or the supervisor takes over), 2 for a usage error; with
+`--exit-on-job-end` it stops once the job ended and its agents learned the outcome, with the job's code
+from the table. Tests per code:
+`tests/e2e/test_exit_codes_e2e.py` (its docstring lists the other tests that assert a code).
+
+## Health probes
+
+`elastic-master` (and a master an agent hosts) answers `GET /healthz` (200 while it serves, 503 once a task
+failed) and `GET /readyz` (200 when it leads the job or stands by, with a durable store, ready to take
+over; 503 while stepping down or failed) with no token and no job data: for Kubernetes probes. Its port:
+who binds it first serves; an agent does not host a master where one answers, and waits when the port is
+taken by a master that does not answer yet; `elastic-master` retries a port in use for `--bind-timeout`
+seconds with one line saying so, then exits 1.
 """
 
 

@@ -1,8 +1,23 @@
-"""elastic: the library a training script imports, plus what master and agent share.
+"""``import elastic``: the library a training script calls under ``elastic-run`` (or plain torchrun).
 
-The worker API (``init_process_group``, ``save``, ``load``, ``ElasticSampler``...) needs torch, but the
-agent and the master import ``elastic.control.protocol`` and must stay torch-free, so nothing here imports
-torch eagerly: the worker API is resolved on first attribute access (PEP 562 module ``__getattr__``)::
+This page is the reference of its public names, generated from their docstrings by pdoc (the command is
+in docs/testing.md); docs/quickstart.md adapts a torchrun script to them step by step.
+
+| Need | Call |
+| --- | --- |
+| join the process group the launcher describes | `init_process_group`, `destroy_process_group` |
+| save and restore replicated (data-parallel) state, in memory then on disk | `save`, `load`, `load_latest` |
+| resume the data at the exact sample, at any world size | `ElasticSampler` |
+| save and restore sharded state (FSDP, DTensor) | `save_sharded`, `load_sharded` |
+| keep the live processes through a fault (in-process recovery) | `run`, `World`, `WorldChanged` |
+| tell the agent about progress (hang and straggler checks) | `report`, `report_checkpoint`, `track_ddp` |
+
+Every call works without an agent too (plain torchrun, or one process): saves go to disk, reports are
+dropped, and :func:`run` calls the training function once.
+
+The worker API needs torch, but the agent and the master import ``elastic.control.protocol`` and must
+stay torch-free, so nothing here imports torch eagerly: the worker API is resolved on first attribute
+access (PEP 562 module ``__getattr__``):
 
     import elastic                      # cheap, no torch
     elastic.init_process_group()        # imports elastic.distributed (and torch) now
@@ -14,6 +29,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+"""The version of elastic-run (the package) this library belongs to."""
 
 # Progress reports are stdlib-only and cheap, so they are imported eagerly: ``elastic.report(step)`` is the
 # function (the name shadows the submodule ``elastic.report``; import its other names with ``from``).

@@ -129,6 +129,7 @@ class ProgressKind(str, Enum):
     STEP = "step"  # the worker completed a training step
     CKPT = "ckpt"  # the worker holds a complete checkpoint of a step
     DONE = "done"  # the worker's training is over; it is no longer judged on step progress
+    CORRUPT = "corrupt"  # a copy of checkpoint ``step`` (``location``) failed its digest at restore
 
 
 #: :class:`Progress` field -> its key on the wire.

@@ -40,6 +40,19 @@ def track_ddp(model: DistributedDataParallel, process_group=None) -> Distributed
 
     Call once, before the first forward pass. The gradients are reduced exactly as by DDP's default
     all-reduce hook (divided by the world size, then summed), in ``process_group`` (default: the world).
+    The time is sent with the next step report (:func:`elastic.report`, which
+    :meth:`elastic.ElasticSampler.advance` calls); without step reports nothing is measured.
+
+    Args:
+        model: the DDP-wrapped model; it must have no communication hook yet (a model takes one).
+        process_group: the group DDP reduces the gradients in; ``None``: the default group.
+
+    Returns:
+        ``model`` itself, so that the call can wrap the construction.
+
+    Raises:
+        TypeError: ``model`` is not a ``DistributedDataParallel``.
+        RuntimeError: ``model`` already has a communication hook (raised by DDP).
     """
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(f"track_ddp needs a DistributedDataParallel model, got {type(model).__name__}")

@@ -147,7 +147,16 @@ def _send(message: Progress, *, reliable: bool = False) -> None:
 
 
 def report(step: int) -> None:
-    """Tell the agent this worker completed training step ``step`` (feeds hang and straggler checks)."""
+    """Tell the agent this worker completed training step ``step`` (feeds hang and straggler checks).
+
+    Non-blocking, and never raises for want of an agent: a report the agent cannot take now is dropped
+    (the next one supersedes it), and without elastic-run nothing is sent. The first report arms the
+    stack dump the agent asks for before it kills a hung worker. :meth:`elastic.ElasticSampler.advance`
+    and :meth:`elastic.World.commit` call it; call it yourself after each optimizer step otherwise.
+
+    Args:
+        step: optimizer steps completed so far.
+    """
     global _comm_wait_s, _last
     step = int(step)
     compute: float | None = None
@@ -171,12 +180,17 @@ def report_checkpoint(
 ) -> None:
     """Tell the agent this worker holds a complete checkpoint of ``step`` (feeds the committed step).
 
-    ``location``: the checkpoint file in the agent's shared memory, when the agent should persist it;
-    ``persist_to``: the folder to persist it to (default: the agent's ``--ckpt-dir``); ``save_s``: how
-    long the save took, from the call to the checkpoint being complete in memory (the agent's
-    ``elastic_agent_checkpoint_save_seconds``; an agent that predates it ignores the field). Waits for
-    room in the agent's queue, at most :data:`CKPT_SEND_TIMEOUT_S` (then the report is dropped with a
-    warning)."""
+    :func:`elastic.save` calls it; a script calls it itself only for checkpoints it writes another way.
+    Waits for room in the agent's queue, at most :data:`CKPT_SEND_TIMEOUT_S` (then the report is dropped
+    with a warning); without elastic-run nothing is sent.
+
+    Args:
+        step: the training step the checkpoint holds.
+        location: the checkpoint file in the agent's shared memory, when the agent should persist it.
+        persist_to: the folder to persist it to (default: the agent's ``--ckpt-dir``).
+        save_s: how long the save took, from the call to the checkpoint being complete in memory (the
+            agent's ``elastic_agent_checkpoint_save_seconds``; an agent that predates it ignores it).
+    """
     fence: int | None = None
     with contextlib.suppress(
         KeyError, ValueError
@@ -191,3 +205,11 @@ def report_checkpoint(
         round=fence,
     )
     _send(message, reliable=True)
+
+
+def report_corrupt(step: int, location: str) -> None:
+    """Tell the agent that a copy of the checkpoint of ``step`` (the file ``location``) failed its digest
+    check at restore (:class:`elastic.checkpoint.digest.CheckpointCorruptError`); the restore went on with
+    another copy. The agent's heartbeat carries it to the master (event ``checkpoint_corrupt``). Sent like
+    a checkpoint report: it waits for room in the agent's queue, at most :data:`CKPT_SEND_TIMEOUT_S`."""
+    _send(_progress(ProgressKind.CORRUPT, int(step), location=str(location)), reliable=True)

@@ -50,10 +50,12 @@ from elastic.report import report
 
 @dataclass(frozen=True)
 class StepBatch:
-    """This rank's share of one optimizer step."""
+    """This rank's share of one optimizer step, as :meth:`ElasticSampler.steps` yields it."""
 
-    micro_batches: list[list[int]]  # accumulation_steps lists of dataset indices (some may be empty)
-    global_size: int  # samples the step consumes over all ranks
+    micro_batches: list[list[int]]
+    """``accumulation_steps`` lists of dataset indices, one per forward pass (some may be empty)."""
+    global_size: int
+    """Samples the step consumes over all ranks: scale a summed loss by ``world_size / global_size``."""
 
 
 def _world_from_env(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -83,6 +85,10 @@ class ElasticSampler(Sampler[int]):
         batch_size: samples per rank per step (without ``global_batch_size``), or the largest
             micro-batch per rank (with it). Needed by :meth:`advance` in the first mode.
         global_batch_size: samples per step at any world size (gradient accumulation).
+
+    Raises:
+        ValueError: a negative dataset size, ``rank`` outside ``num_replicas``, a ``batch_size`` or
+            ``global_batch_size`` below 1, or a ``global_batch_size`` smaller than the world size.
     """
 
     def __init__(
@@ -115,8 +121,11 @@ class ElasticSampler(Sampler[int]):
         self.batch_size = batch_size
         self.global_batch_size = global_batch_size
         self.epoch = 0
-        self.consumed = 0  # samples of this epoch consumed by completed steps, over all ranks
-        self.step = 0  # optimizer steps completed, over all epochs
+        """The current epoch: its permutation is seeded by ``seed + epoch`` (see :meth:`set_epoch`)."""
+        self.consumed = 0
+        """Samples of this epoch consumed by completed steps, over all ranks: the position."""
+        self.step = 0
+        """Optimizer steps completed, over all epochs (what :meth:`advance` returns)."""
 
     # -- sizes ------------------------------------------------------------------------------------
     @property
@@ -187,8 +196,15 @@ class ElasticSampler(Sampler[int]):
         return _BatchSampler(self)
 
     def reshard(self, num_replicas: int, rank: int) -> None:
-        """Deal the following steps to a world of ``num_replicas`` ranks, this one being ``rank`` (an
-        in-process recovery re-formed the group). The position is kept: no sample skipped or repeated."""
+        """Deal the following steps to a world of ``num_replicas`` ranks, this one being ``rank``.
+
+        Called after an in-process recovery re-formed the group (:func:`elastic.run` does it for the
+        samplers in its state). The position is kept: no sample is skipped or repeated.
+
+        Raises:
+            ValueError: ``rank`` is not in a world of ``num_replicas``, or ``global_batch_size`` is
+                smaller than ``num_replicas``.
+        """
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in a world of {num_replicas}")
         if self.global_batch_size is not None and self.global_batch_size < num_replicas:
@@ -205,7 +221,19 @@ class ElasticSampler(Sampler[int]):
             self.consumed = 0
 
     def advance(self, steps: int = 1) -> int:
-        """Mark ``steps`` optimizer steps as done; report progress to the agent. Returns :attr:`step`."""
+        """Mark ``steps`` optimizer steps as done and report progress to the agent.
+
+        Call it once the step's update is applied: a DataLoader reads ahead, so the sampler cannot tell
+        by itself which samples were trained on. The step report feeds the agent's hang and straggler
+        checks (see :func:`elastic.report`).
+
+        Returns:
+            The optimizer steps completed so far, over all epochs (:attr:`step`).
+
+        Raises:
+            ValueError: neither ``batch_size`` nor ``global_batch_size`` was given (the sampler cannot
+                tell how many samples a step took), or the epoch has no step left.
+        """
         if self.global_batch_size is None and self.batch_size is None:
             raise ValueError(
                 "ElasticSampler.advance needs batch_size= (the DataLoader's batch size per rank) or "
@@ -226,6 +254,11 @@ class ElasticSampler(Sampler[int]):
         return next(self._step_bounds(), None) is None
 
     def state_dict(self) -> dict[str, Any]:
+        """The position to save with the checkpoint: epoch, samples consumed in it and steps completed.
+
+        Also the dataset size, seed and shuffle flag, which :meth:`load_state_dict` checks. The state
+        does not depend on the world size: it resumes at any other.
+        """
         return {
             "epoch": self.epoch,
             "consumed": self.consumed,
@@ -236,7 +269,12 @@ class ElasticSampler(Sampler[int]):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (of any world size). The dataset and shuffle must be the same."""
+        """Continue from ``state``, a :meth:`state_dict` saved at this or any other world size.
+
+        Raises:
+            ValueError: ``state`` was saved with another dataset size, seed or shuffle flag (resuming
+                would skip or repeat samples), or its position lies outside the dataset.
+        """
         for name in ("num_samples", "seed", "shuffle"):
             if name in state and state[name] != getattr(self, name):
                 raise ValueError(

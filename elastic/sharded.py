@@ -14,12 +14,14 @@ save waits while the node's replication lags more than the agent's bound (``<shm
 a lost node costs at most that many steps (:mod:`elastic.checkpoint.shard_save`).
 
 :func:`load_sharded` restores the newest step whose files the job holds *somewhere*: each node lists what it
-holds (its own memory, the replicas it keeps for peers, checked against their sha256, and the disk folder);
+holds (its own memory, the replicas it keeps for peers, and the disk folder);
 the ranks exchange the lists (int64 collectives) and pick the newest complete step. Each rank plans its DCP
 reads; a node receives only the files its ranks read and it lacks, point to point from a rank that holds each
 (:mod:`elastic.checkpoint.shard_restore`): at an unchanged world
 size with every node holding its own shards nothing moves. Then ``dcp.load`` reads the node's assembled
-folder, re-sharding to the current world.
+folder, re-sharding to the current world. Every file read from memory is first checked against the digest
+recorded when it was written (a node's own save) or received (a replica); a damaged one is reported to the
+agent (the master's event ``checkpoint_corrupt``) and left out, and the ranks choose again.
 
 **Without an agent** every rank writes its shards to ``<ckpt_dir>/sharded`` (a folder all ranks share)
 and global rank 0 commits it once all have written.
@@ -97,6 +99,17 @@ def save_sharded(
     return shard_save.disk_save(state, step, resolve_dir(ckpt_dir) / SHARDED_SUBDIR, keep)
 
 
+#: Choices of a step a restore makes at most: each after damaged files were left out.
+_MAX_CHOICES = 8
+
+
+def _without(
+    held: dict[tuple[int, str], dict[str, Path]], damaged: set[Path]
+) -> dict[tuple[int, str], dict[str, Path]]:
+    """``held`` without the files at ``damaged`` (the step's other files stay: other holders complete it)."""
+    return {key: {n: p for n, p in files.items() if p not in damaged} for key, files in held.items()}
+
+
 def load_sharded(
     state: dict[str, Any], step: int | None = None, ckpt_dir: str | os.PathLike[str] | None = None
 ) -> int | None:
@@ -105,12 +118,20 @@ def load_sharded(
     The ranks agree on the newest step whose files the job holds anywhere (memory, replicas kept for
     peers, disk); files a node lacks travel to it over the process group (see the module doc).
 
+    Args:
+        state: the DCP state dict to load into, sharded for the current world (e.g.
+            ``{"model": get_model_state_dict(model)}``), with the keys :func:`save_sharded` was given.
+        step: load exactly this step; ``None``: the newest complete one.
+        ckpt_dir: the disk folder of :func:`save_sharded`; default ``ELASTIC_CKPT_DIR``.
+
     Returns:
         The step loaded, or ``None`` when no rank holds a sharded checkpoint (``state`` is untouched).
 
     Raises:
-        CheckpointError: ``step`` was given and there is no complete checkpoint of it, or a replica's
-            content does not match its hash.
+        CheckpointError: ``step`` was given and there is no complete checkpoint of it (a file whose
+            bytes fail its recorded digest, :func:`elastic.checkpoint.shard_layout.check_file`, is
+            reported to the agent and left out: the ranks choose again, another holder's copy of that
+            step or an older step).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -124,8 +145,27 @@ def load_sharded(
     if os.environ.get(CKPT_RESET_ENV, "") in ("1", "true", "yes"):
         held = {}
     world = collectives.world_size()
-    lists = collectives.gather_ints(shard_restore.encode(held), world)
-    choice = shard_restore.choose(lists, step)
+    for _ in range(_MAX_CHOICES):
+        lists = collectives.gather_ints(shard_restore.encode(held), world)
+        choice = shard_restore.choose(lists, step)
+        if choice is None:
+            break
+        chosen, sid_int = choice
+        save_id = sl.save_id_str(sid_int)
+        mine = held.get((chosen, save_id), {})
+        manifest = next((m for p in mine.values() if (m := sl.read_manifest(p.parent)) is not None), None)
+        try:
+            path, assembled, _received = shard_restore.assemble(
+                state, chosen, save_id, mine, manifest, shm, world
+            )
+            break
+        except shard_restore.DamagedShardsError as exc:
+            # Every rank is here together: the damaged files (reported already) are left out, and the
+            # ranks choose again: another holder's copy of the step, else an older step.
+            log.warning("%s; choosing again without it", exc)
+            held = _without(held, set(exc.bad))
+    else:
+        raise CheckpointError(f"no undamaged sharded checkpoint found after {_MAX_CHOICES} choices")
     if choice is None:
         if step is not None:
             where = disk if shm is None else f"memory or {disk}"
@@ -140,11 +180,6 @@ def load_sharded(
                 f"({CKPT_RESET_ENV}=1) or a new job id, or give --ckpt-dir the folder of the persisted ones"
             )
         return None
-    chosen, sid_int = choice
-    save_id = sl.save_id_str(sid_int)
-    mine = held.get((chosen, save_id), {})
-    manifest = next((m for p in mine.values() if (m := sl.read_manifest(p.parent)) is not None), None)
-    path, assembled, _received = shard_restore.assemble(state, chosen, save_id, mine, manifest, shm, world)
     try:
         dcp.load(state, storage_reader=shard_restore.reader(path, shm))
     finally:

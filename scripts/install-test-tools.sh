@@ -21,6 +21,10 @@ promtool prometheus
 tmux tmux
 chromium chromium
 chromedriver chromium-driver
+slurmctld slurmctld
+slurmd slurmd
+sbatch slurm-client
+munged munge
 "
 
 missing_packages=()

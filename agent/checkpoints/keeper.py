@@ -22,6 +22,10 @@ it. The keeper:
   ``stall_s`` (a hung disk), for the heartbeats (the master's status and events show it); each persist's
   outcome is counted (:attr:`CheckpointKeeper.outcomes`, the agent's metrics) and a failed or superseded
   one is logged as a warning.
+* **reports damage**: a checkpoint copy whose bytes fail their digest (:mod:`elastic.checkpoint.digest`),
+  found by a worker's restore (its report comes through the progress channel) or by a persist (which then
+  fails: damaged bytes are never persisted), goes into :attr:`CheckpointKeeper.corruptions`, which the
+  heartbeats carry to the master (event ``checkpoint_corrupt``) until one that carried it is answered.
 * **stop**: persists what is still pending, and the newest checkpoint in memory if it is newer than the
   last persist request (a ``persist=False`` save, or a request lost with its worker), then removes the
   folder, unless the newest checkpoint asked for could not be made durable
@@ -45,9 +49,11 @@ Standard library (and psutil) only: the agent never imports torch.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TypedDict
 
@@ -58,6 +64,7 @@ from agent.checkpoints.persist import PERSIST_DELAY_ENV, Request, parse_persist_
 from agent.checkpoints.shm_folder import DEFAULT_ROOT, folder_name
 from elastic import contract
 from elastic.checkpoint import layout, shard_layout
+from elastic.checkpoint.digest import CheckpointCorruptError
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +86,60 @@ class ReplicationFields(TypedDict, total=False):
     replicated_step: int | None
     replication_lag: int | None
     replication_error: str
+
+
+@dataclass(frozen=True)
+class Corruption:
+    """One damaged checkpoint copy this node found (the fields of
+    :class:`elastic.control.protocol.CheckpointCorruption`)."""
+
+    id: str
+    step: int
+    file: str
+    found_by: str  # "restore" or "persist"
+    detail: str
+
+
+class CorruptionLog:
+    """Damaged checkpoint copies this node found, kept until a heartbeat that carried them is answered (at
+    most :data:`MAX_PENDING`, the newest; the older ones are counted and logged, never silently lost)."""
+
+    MAX_PENDING = 16
+
+    def __init__(self) -> None:
+        self._token = secrets.token_hex(4)  # ids unique across agent restarts: the master dedupes by id
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._pending: list[Corruption] = []
+        self.total = 0  # found since the agent started
+        self.dropped = 0  # pushed out before a heartbeat delivered them
+
+    def add(self, step: int, file: str, found_by: str, detail: str) -> Corruption:
+        """Record one damaged copy."""
+        with self._lock:
+            self._seq += 1
+            self.total += 1
+            found = Corruption(
+                f"{self._token}-{self._seq}", int(step), file[-1024:], found_by, detail[-1024:]
+            )
+            self._pending.append(found)
+            if len(self._pending) > self.MAX_PENDING:
+                self.dropped += 1
+                lost = self._pending.pop(0)
+                log.error("checkpoint corruption report %s (step %d) was not delivered", lost.id, lost.step)
+        return found
+
+    def pending(self) -> list[Corruption]:
+        """The reports no answered heartbeat carried yet, oldest first."""
+        with self._lock:
+            return list(self._pending)
+
+    def delivered(self, ids: Iterable[str]) -> None:
+        """A heartbeat that carried ``ids`` was answered: the master has them."""
+        done = set(ids)
+        if done:
+            with self._lock:
+                self._pending = [c for c in self._pending if c.id not in done]
 
 
 class CheckpointKeeper:
@@ -145,6 +206,8 @@ class CheckpointKeeper:
         #: enabled.
         self.replicator = None
         self.replica_server = None
+        #: Damaged checkpoint copies found on this node (restores, persists), for the heartbeats.
+        self.corruptions = CorruptionLog()
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> CheckpointKeeper:
@@ -311,13 +374,20 @@ class CheckpointKeeper:
         location: str,
         persist_to: str = "",
         round_number: int | None = None,
+        corrupt: bool = False,
     ) -> None:
         """A worker reports a complete checkpoint; a location in this folder asks for a persist to
         ``persist_to`` (default ``ckpt_dir``). ``round_number``: the worker's round (``ELASTIC_ROUND``),
-        which fences the commit; None from a worker that does not send it.
+        which fences the commit; None from a worker that does not send it. ``corrupt``: instead, the
+        worker's restore found the copy ``location`` of ``step`` damaged (it failed its digest).
 
         Called from the progress channel's thread; never blocks on I/O.
         """
+        if corrupt:
+            self.corruptions.add(
+                step, location, "restore", f"local rank {local_rank}'s restore skipped it (digest mismatch)"
+            )
+            return
         target = Path(persist_to) if persist_to else self.ckpt_dir
         if location and Path(location).parent == self.folder / shard_layout.SHARDED_SUBDIR:
             # A node's sharded save, committed by its local rank 0: replicated to the ring successors,
@@ -395,6 +465,9 @@ class CheckpointKeeper:
             except OSError as exc:  # disk full, EIO, the fence lock held too long...
                 if not self._abandon.is_set():  # a persist given up at stop was reported by the stop
                     self._fail(request, str(exc))
+            except CheckpointCorruptError as exc:  # damaged in memory: never persisted as the newest step
+                self.corruptions.add(request.step, str(request.source), "persist", str(exc))
+                self._fail(request, f"not persisted: the checkpoint in memory failed its digest check: {exc}")
             else:
                 count, total = self.persist_seconds
                 self.persist_seconds = (count + 1, total + time.monotonic() - started)

@@ -1,9 +1,10 @@
 """One persist of a checkpoint from the node's shared memory to disk, as the keeper's thread runs it.
 
-A replicated checkpoint file is written to a temp file next to its final name (flushed as it goes, see
-:func:`copy`) in torch's own file format (:func:`torch_source`: the worker's flash file is converted on
-the way, so that ``torch.load(path, weights_only=True)`` reads it without this project), then committed
-fenced by the job's incarnation and the worker's round
+A replicated checkpoint file is first checked against the digest its save recorded (:func:`verify`: a
+damaged one is never persisted, the keeper reports it), then written to a temp file next to its final
+name (flushed as it goes, see :func:`copy`) in torch's own file format (:func:`torch_source`: the
+worker's flash file is converted on the way, so that ``torch.load(path, weights_only=True)`` reads it
+without this project), then committed fenced by the job's incarnation and the worker's round
 (:mod:`agent.checkpoints.fence`: rename, fsync the folder, move ``latest`` never backwards within a
 submission, prune only older files). A node's sharded save is persisted by
 :mod:`agent.checkpoints.sharded_persist` (the node completing a step commits it). A checkpoint the worker
@@ -36,7 +37,7 @@ from typing import BinaryIO, cast
 
 from agent.checkpoints import fence as ckpt_fence
 from agent.checkpoints import sharded_persist
-from elastic.checkpoint import layout, shard_layout, torch_format
+from elastic.checkpoint import digest, layout, shard_layout, torch_format
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,8 @@ def persist(
 
     Raises:
         OSError: the copy or the commit failed (disk full, EIO, the fence lock held too long...).
+        CheckpointCorruptError: the checkpoint's bytes in memory do not match their digest (nothing was
+            written).
     """
     if request.save_id:
         return _persist_sharded(request, keep, copy, lock_timeout_s, cancel)
@@ -167,6 +170,7 @@ def persist(
         log.info("checkpoint of step %d was replaced in memory before its persist; skipped", request.step)
         return Outcome()
     with src:
+        verify(src, request)  # damaged bytes are never persisted (CheckpointCorruptError)
         request.target.mkdir(parents=True, exist_ok=True)
         final = request.target / request.source.name
         size = os.fstat(src.fileno()).st_size
@@ -205,6 +209,23 @@ def persist(
         decision.why,
     )
     return Outcome(published=True, committed=True)
+
+
+def verify(src: BinaryIO, request: Request) -> None:
+    """Check the flash file open as ``src`` against the digest its save recorded (one more read of its
+    bytes in memory, at xxh3's speed); a file without one (version 1, a ``torch.save`` file) passes, and
+    a torn frame is left to :func:`torch_source` (it is copied as it is, with a warning).
+
+    Raises:
+        CheckpointCorruptError: the bytes differ from the digest; the message names the file.
+    """
+    try:
+        digest.verify_file(src, str(request.source))
+    except digest.CheckpointCorruptError:
+        log.error("the checkpoint of step %d in memory failed its digest check: not persisted", request.step)
+        raise
+    except ValueError:
+        pass
 
 
 def torch_source(src: BinaryIO, step: int) -> Callable[[], BinaryIO]:

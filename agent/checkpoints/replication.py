@@ -6,9 +6,13 @@ its shards on a survivor), agent to agent over TCP, never through the master.
 ``--replicas`` (default 1, at most nodes - 1). The master hands each agent its targets' endpoints in its
 heartbeat replies (soft state, from the targets' own heartbeats).
 
-**Wire** (:mod:`agent.checkpoints.replication_wire`): one connection per push, authenticated by an HMAC of the
-job token, the files' bytes hashed (sha256) on both sides; the receiver
-(:mod:`agent.checkpoints.replica_server`) commits a step only when every hash matches.
+**Wire** (:mod:`agent.checkpoints.replication_wire`): one connection per push. The sender proves the pair
+key the master handed it for that target (``CommandReply.peer_keys``; the receiver derives the same key
+from its own, ``CommandReply.replication_key``), the receiver proves it back, and the stream (header,
+bytes, digests) carries an HMAC under a key of that push; the receiver
+(:mod:`agent.checkpoints.replica_server`) commits a step only when the MAC and every digest match, and
+refuses a push over the sender's share of its shared memory before any byte is written. A target the
+master gave no key for (an older master) is not pushed to: the error says so.
 
 **Lag**: the replicated step is the newest step every target acknowledged; the lag is the newest local
 save's step minus it. The sender writes ``<shm>/replication.json`` (``enabled``, ``bound``,
@@ -21,9 +25,9 @@ Standard library only (the agent never imports torch).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
+import secrets
 import socket
 import ssl
 import threading
@@ -31,6 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.checkpoints import replication_wire as wire
 from agent.checkpoints.replica_server import ReplicaServer
 from agent.checkpoints.replication_wire import (
     CHUNK,
@@ -39,7 +44,6 @@ from agent.checkpoints.replication_wire import (
     Reader,
     ReplicationError,
     expect_ok,
-    mac,
     send_line,
     tls_contexts,
     valid_name,
@@ -73,16 +77,16 @@ class Replicator:
         folder: Path,
         job_id: str,
         node_id: str,
-        token: str,
         *,
         replicas: int = DEFAULT_REPLICAS,
         lag_bound: int = DEFAULT_LAG_BOUND,
         bandwidth: float = 0.0,
         tls: ssl.SSLContext | None = None,
     ) -> None:
-        self.folder, self.job_id, self.node_id, self.token = folder, job_id, node_id, token
+        self.folder, self.job_id, self.node_id = folder, job_id, node_id
         self.replicas, self.lag_bound, self.bandwidth, self.tls = replicas, lag_bound, bandwidth, tls
         self.targets: tuple[str, ...] = ()  # "host:port" of the successors, from the master
+        self._keys: dict[str, bytes] = {}  # each target's pair key K(this node→target), from the master
         self.newest: int | None = None  # newest committed local step
         self.replicated: int | None = None
         self.error = ""
@@ -103,14 +107,33 @@ class Replicator:
             self._cond.notify_all()
         self._thread.join(timeout=5)
 
-    def set_targets(self, targets: list[str]) -> None:
-        """The endpoints of this node's successors (from the master; '' where not known yet)."""
-        known = tuple(t for t in targets[: self.replicas] if t)
+    def set_targets(self, targets: list[str], keys: list[str] | None = None) -> None:
+        """The endpoints of this node's successors and the pair key of each (hex), from the master's
+        heartbeat reply; '' where not known yet. A target without a key (an elastic-master older than
+        this agent hands out none) is not pushed to, and the error says why."""
+        given = list(keys or [])
+        known: list[str] = []
+        keyed: dict[str, bytes] = {}
+        keyless = []
+        for i, target in enumerate(targets[: self.replicas]):
+            if not target:
+                continue
+            key = _key_bytes(given[i] if i < len(given) else "")
+            if key is None:
+                keyless.append(target)
+                continue
+            known.append(target)
+            keyed[target] = key
         with self._cond:
-            if known != self.targets:
-                self.targets = known
+            if tuple(known) != self.targets or keyed != self._keys:
+                self.targets, self._keys = tuple(known), keyed
                 self.replicated = None if known else self.replicated
                 self._cond.notify_all()
+            if keyless:
+                self.error = (
+                    f"the master gave no replication key for {', '.join(keyless)} (an elastic-master "
+                    "older than this agent): those peers get no replica; upgrade the master"
+                )
         self._write_status()
 
     def on_saved(self, step: int) -> None:
@@ -153,7 +176,7 @@ class Replicator:
                 )
                 if self._stopping:
                     return
-                targets = self.targets
+                targets, keys = self.targets, dict(self._keys)
             committed = sl.committed(self.folder / sl.SHARDED_SUBDIR)
             if not committed:
                 with self._cond:
@@ -162,7 +185,7 @@ class Replicator:
             step, save_id, data = committed[0]
             try:
                 for target in targets:
-                    self._push(target, step, save_id, data)
+                    self._push(target, keys[target], step, save_id, data)
             except (ReplicationError, OSError) as exc:
                 with self._cond:
                     self.error = f"step {step} to {target}: {exc}"
@@ -186,7 +209,7 @@ class Replicator:
                 raise ReplicationError(f"TLS handshake failed ({exc.reason or exc}); {TLS_RULE}") from None
         return sock
 
-    def _push(self, target: str, step: int, save_id: str, data: Path) -> None:
+    def _push(self, target: str, key: bytes, step: int, save_id: str, data: Path) -> None:
         names = sorted(
             e.name for e in os.scandir(data) if valid_name(e.name) and e.is_file(follow_symlinks=False)
         )
@@ -201,41 +224,52 @@ class Replicator:
             sock = stack.enter_context(self._connect(target))
             reader = Reader(sock)
             try:
-                nonce = reader.line().get("nonce")
+                greeting = reader.line()
             except (OSError, ValueError) as exc:  # a TLS listener waits for a handshake this side never sends
                 hint = f"; {TLS_RULE}" if self.tls is None else ""
                 raise ReplicationError(f"no greeting from the peer ({exc}){hint}") from None
-            if not isinstance(nonce, str):
+            if greeting.get("ok") is False:  # e.g. busy: the refusal comes instead of a greeting
+                raise ReplicationError(f"the peer refused the connection: {greeting.get('error')}")
+            theirs = greeting.get("nonce")
+            if not isinstance(theirs, str):
                 raise ReplicationError("malformed greeting")
-            send_line(
-                sock,
-                {
-                    "job": self.job_id,
-                    "node": self.node_id,
-                    "mac": mac(self.token, nonce, self.job_id, self.node_id),
-                },
-            )
-            expect_ok(reader, "authentication")
+            ours = secrets.token_hex(16)
+            proof = wire.hello_mac(key, self.job_id, self.node_id, theirs, ours)
+            send_line(sock, {"job": self.job_id, "node": self.node_id, "nonce": ours, "mac": proof})
+            welcome = expect_ok(reader, "authentication")
+            if not wire.matches(wire.welcome_mac(key, theirs, ours), welcome.get("mac")):
+                raise ReplicationError(
+                    "the listener did not prove it is the node the master named (a stale address, or "
+                    "keys of another master)"
+                )
+            session = wire.session_key(key, theirs, ours)
             sizes = [(name, os.fstat(f.fileno()).st_size) for name, f in files]
-            send_line(sock, {"step": step, "save_id": save_id, "files": [[n, s] for n, s in sizes]})
+            header = wire.encode({"step": step, "save_id": save_id, "files": [[n, s] for n, s in sizes]})
+            sock.sendall(header)
+            expect_ok(reader, "the push")  # within this node's share of the peer's memory
+            mac = wire.stream_mac(session, header[:-1])
             started = time.monotonic()
             sent = 0
             digests = {}
             for (name, f), (_, size) in zip(files, sizes, strict=True):
-                digest = hashlib.sha256()
+                digest = wire.new_digest()
                 left = size
                 while left > 0:
                     chunk = f.read(min(CHUNK, left))
                     if not chunk:
                         raise ReplicationError(f"{name} shrank during its push")
                     digest.update(chunk)
+                    mac.update(chunk)
                     sock.sendall(chunk)
                     left -= len(chunk)
                     sent += len(chunk)
                     self._throttle(sent, started)
                 digests[name] = digest.hexdigest()
-            send_line(sock, {"sha256": digests})
-            expect_ok(reader, "the push")
+            mac.update(wire.digests_bytes(digests))
+            send_line(sock, {wire.DIGEST_KEY: digests, "mac": mac.hexdigest()})
+            done = expect_ok(reader, "the replica")
+            if not wire.matches(wire.committed_mac(session, step, save_id), done.get("mac")):
+                raise ReplicationError("the peer's acknowledgement of the push carries no valid proof")
             with self._cond:
                 self.pushed_bytes += sent
                 self.push_seconds += time.monotonic() - started
@@ -266,8 +300,15 @@ def attach(keeper, settings) -> None:  # noqa: ANN001 - agent.checkpoints.keeper
     auth = Auth.DERIVED if settings.token == derived_token(settings.job.job_id) else Auth.SECRET
     try:
         served, client = tls_contexts(settings.tls_cert, settings.tls_key, settings.tls_ca)
+        cap_mib = settings.replication_peer_cap
         keeper.replica_server = ReplicaServer(
-            keeper.folder, settings.job.job_id, settings.token, host, tls=served, auth=auth
+            keeper.folder,
+            settings.job.job_id,
+            host,
+            tls=served,
+            auth=auth,
+            peer_cap=cap_mib << 20 if cap_mib else None,
+            sources=settings.replicas,
         ).start()
     except (ListenerRuleError, TLSConfigError, OSError) as exc:
         # Not a shared-memory problem: its own message (a rule or TLS file: exit 2, as other config errors).
@@ -279,9 +320,26 @@ def attach(keeper, settings) -> None:  # noqa: ANN001 - agent.checkpoints.keeper
         keeper.folder,
         settings.job.job_id,
         settings.node_id,
-        settings.token,
         replicas=settings.replicas,
         lag_bound=settings.replication_lag,
         bandwidth=settings.replication_bandwidth * 1e6,
         tls=client,
     ).start()
+
+
+def follow_master(keeper, peers: list[str], peer_keys: list[str], receiver_key: str) -> None:  # noqa: ANN001
+    """What a heartbeat reply says about replication (``CommandReply.peers``, ``peer_keys``,
+    ``replication_key``): this node's targets with their pair keys, and its own receiver key. ``keeper``:
+    an agent.checkpoints.keeper.CheckpointKeeper (replication off: nothing to do)."""
+    if keeper.replica_server is not None:
+        keeper.replica_server.set_key(receiver_key)
+    if keeper.replicator is not None:
+        keeper.replicator.set_targets(peers, peer_keys)
+
+
+def _key_bytes(text: str) -> bytes | None:
+    """A pair key from its hex (None: none given, or not hex)."""
+    try:
+        return bytes.fromhex(text) if text else None
+    except ValueError:
+        return None

@@ -8,23 +8,32 @@ so a torchrun command line works after replacing the command name. This module d
 
 from __future__ import annotations
 
-import logging
+import dataclasses
 import os
+import signal
+import socket
 import sys
 
 import click
 
-from agent.cli.resolve import given_options, resolve
+from agent.cli.resolve import explicit_options, given_options, resolve, resolve_platform
 from agent.cli.startup import run_agent
 from agent.cli.torchrun import torchrun_options
 from agent.errors import EXIT_CONFIG, AgentError
 from agent.observe.progress import DEFAULT_PROGRESS_INTERVAL_S
-from agent.settings import DEFAULT_HANG_TIMEOUT_S, DEFAULT_MASTER_TIMEOUT_S, DEFAULT_STOP_GRACE_S
+from agent.settings import (
+    DEFAULT_HANG_TIMEOUT_S,
+    DEFAULT_MASTER_TIMEOUT_S,
+    DEFAULT_PREEMPT_SIGNAL,
+    DEFAULT_STOP_GRACE_S,
+    preempt_signal,
+)
 from elastic.contract import DEFAULT_CKPT_KEEP
 from elastic.control import job_settings as ms
 from elastic.control.auth import TOKEN_ENV
 from elastic.control.cli_options import job_policy_options
-from elastic.control.error_table import MasterError
+from elastic.control.error_table import MasterError, NotAMasterError
+from elastic.text import LOG_FORMATS, configure_logging, reconfigure_logging
 
 CONTEXT = {
     "help_option_names": ["-h", "--help"],
@@ -46,12 +55,25 @@ CONTEXT = {
 )
 @click.option("--standalone", is_flag=True, help="Single-node job with an embedded master on a free port.")
 @click.option(
+    "--master",
+    "master",
+    default="",
+    help="Job master HOST:PORT (several, comma-separated, for standby masters). A master that does not "
+    "answer is waited for (--master-timeout), never replaced by one this agent hosts unless --host-master.",
+)
+@click.option(
     "--rdzv-endpoint",
     "--rdzv_endpoint",
-    "--master",
     "rdzv_endpoint",
     default="",
-    help="Job master HOST:PORT (several, comma-separated, for standby masters).",
+    help="torchrun's spelling of --master; with --rdzv-backend c10d (the default) and an address of this "
+    "host, the first agent there hosts the master when none answers (convenience mode).",
+)
+@click.option(
+    "--host-master",
+    is_flag=True,
+    help="Convenience mode for --master: when no master answers at its address (one, on this host), this "
+    "agent hosts it (memory store; that node is then a single point of failure).",
 )
 @click.option(
     "--rdzv-id", "--rdzv_id", "--job-id", "rdzv_id", default="none", show_default=True, help="Job id."
@@ -178,6 +200,14 @@ CONTEXT = {
     help="Cap on the bandwidth of replication to each peer, in MB/s; 0: no cap.",
 )
 @click.option(
+    "--replication-peer-cap",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="MiB of this node's shared memory one peer's replica may take (a larger push is refused); 0: the "
+    "/dev/shm size / (--replicas + 2).",
+)
+@click.option(
     "--ckpt-reset",
     is_flag=True,
     help="Start this node's first workers without its existing checkpoints (ELASTIC_CKPT_RESET=1 for "
@@ -191,6 +221,15 @@ CONTEXT = {
     default=DEFAULT_STOP_GRACE_S,
     show_default=True,
     help="Seconds between SIGTERM and SIGKILL when stopping workers (torchrun: --shutdown-timeout).",
+)
+@click.option(
+    "--preempt-signal",
+    default=DEFAULT_PREEMPT_SIGNAL,
+    show_default=True,
+    callback=lambda ctx, param, value: _preempt_signal(value),
+    help="The scheduler's pre-emption warning (SLURM: --signal=USR1@90): stop as for SIGTERM, persist the "
+    "newest checkpoint, exit 1 (retryable: requeue the job); none: off. A signal --signals-to-handle also "
+    "lists is forwarded to the workers instead.",
 )
 @click.option(
     "--master-timeout",
@@ -223,7 +262,20 @@ CONTEXT = {
     help="Seconds between two progress lines of this agent (round, step, steps/s, world, restarts, last "
     "checkpoint). 0: none.",
 )
-@click.option("--quiet", is_flag=True, help="No progress lines (the same as --progress-interval 0).")
+@click.option(
+    "--quiet",
+    is_flag=True,
+    help="Only warnings, errors, the job's outcome and the workers' own output: no progress lines (as "
+    "--progress-interval 0) and no other control-plane lines.",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(LOG_FORMATS),
+    default="text",
+    show_default=True,
+    help="The agent's log lines: text (TIME LEVEL NODE [LOGGER] MESSAGE, TIME in ISO 8601 UTC) or json "
+    "(one object a line: time, level, node, logger, message, exc_info). Worker output stays as it is.",
+)
 @click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
@@ -231,21 +283,44 @@ CONTEXT = {
     help="Serve this agent's Prometheus metrics (GET /metrics, the job token as bearer token) on this port "
     "of --local-addr; 0: a free port (logged).",
 )
+# The installed distribution's version (importlib.metadata), looked up only when asked for.
+@click.version_option(package_name="elastic-run", prog_name="elastic-run", message="%(prog)s %(version)s")
 @click.argument("training_script")
 @click.argument("training_script_args", nargs=-1, type=click.UNPROCESSED)
 def cli(**opts) -> int:
     """Run TRAINING_SCRIPT on this node as part of an elastic job (torchrun-compatible)."""
-    settings, embed = resolve(opts, given_options(click.get_current_context()))
+    # Before resolving: its warnings carry the node id too (resolve's default is the same HOSTNAME-PID).
+    node = opts["node_id"] or default_node_id()
+    reconfigure_logging(node, opts["log_format"], quiet=opts["quiet"])
+    ctx = click.get_current_context()
+    opts, given, platform = resolve_platform(opts, explicit_options(ctx), given_options(ctx), os.environ)
+    if platform is not None and opts["node_id"] != node:
+        reconfigure_logging(opts["node_id"], opts["log_format"], quiet=opts["quiet"])  # the platform's id
+    settings, embed = resolve(opts, given)
+    # Pre-emption, and SLURM's name of this node for the drain check before each join (docs/slurm.md).
+    slurm_node = os.environ.get("SLURMD_NODENAME") or None
+    settings = dataclasses.replace(settings, preempt_signal=opts["preempt_signal"], slurm_node=slurm_node)
     # The job-control token stays in the agent: workers (user code, its subprocesses, crash reporters) and
     # the warm-start zygote, whose environments derive from os.environ, never see it.
     os.environ.pop(TOKEN_ENV, None)
     return run_agent(settings, embed)
 
 
+def _preempt_signal(value: str) -> signal.Signals | None:
+    try:
+        return preempt_signal(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--preempt-signal") from None
+
+
+def default_node_id() -> str:
+    """This node's id without --node-id: HOSTNAME-PID."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: one-line errors, torchrun-like exit codes."""
-    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging(default_node_id())  # until the options say otherwise (cli)
     try:
         code = cli.main(args=argv, prog_name="elastic-run", standalone_mode=False)
     except click.UsageError as exc:
@@ -262,5 +337,5 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except MasterError as exc:
         print(f"elastic-run: error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(EXIT_CONFIG if isinstance(exc, NotAMasterError) else 1)
     sys.exit(code if isinstance(code, int) else 0)

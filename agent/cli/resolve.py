@@ -11,26 +11,37 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import re
 import secrets
 import shutil
 import socket
+import subprocess
 import sys
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import click
 from click.core import ParameterSource
 
 from agent.checkpoints.persist import check_folder
-from agent.cli import torchrun
+from agent.cli import platforms, torchrun
 from agent.executor.net import is_local_host, local_address_for
 from agent.settings import AgentSettings
 from elastic.control import job_settings as ms
 from elastic.control.addresses import parse_addresses, split_address
 from elastic.control.auth import TokenError, derived_token, job_token
 from elastic.control.cli_options import job_settings_from
-from elastic.control.listener_rules import AGENT_METRICS, MASTER_API, Auth, ListenerRuleError, check_listener
+from elastic.control.listener_rules import (
+    AGENT_METRICS,
+    MASTER_API,
+    UNAUTHENTICATED,
+    Auth,
+    ListenerRuleError,
+    check_listener,
+)
 from elastic.control.protocol import valid_host
+from elastic.text import ALWAYS_SHOWN
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +50,54 @@ def given_options(ctx: click.Context) -> frozenset[str]:
     """Names of the options the user gave, on the command line or through their ``PET_*`` variable."""
     given = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
     return frozenset(name for name in ctx.params if ctx.get_parameter_source(name) in given)
+
+
+def explicit_options(ctx: click.Context) -> frozenset[str]:
+    """Names of the options given on the command line (they win over any platform's environment)."""
+    return frozenset(n for n in ctx.params if ctx.get_parameter_source(n) is ParameterSource.COMMANDLINE)
+
+
+def resolve_platform(
+    o: dict[str, Any], explicit: frozenset[str], given: frozenset[str], environ: Mapping[str, str]
+) -> tuple[dict[str, Any], frozenset[str], platforms.Platform | None]:
+    """The first resolve step: the options with the values of the platform ``environ`` names
+    (:mod:`agent.cli.platforms`; explicit flags win), the options the user gave (less those the platform's
+    variables stand for) and the platform, or None. Logs the one start line that names the platform and
+    every value it took. A platform whose variables are incomplete is a usage error (exit 2)."""
+    hostname = socket.gethostname()
+    try:
+        found = platforms.detect(
+            environ,
+            hostname=hostname,
+            # getfqdn may ask DNS: only for the platforms whose master is named from this pod's domain
+            fqdn=socket.getfqdn() if environ.get("JOB_COMPLETION_INDEX") else "",
+            node_addr=_slurm_node_addr,
+        )
+    except platforms.PlatformError as exc:
+        raise click.UsageError(f"{exc} (or give the flags it stands for on the command line)") from None
+    if found is None:
+        return o, given, None
+    applied = platforms.apply(o, explicit, found)
+    log.info("%s", platforms.start_line(found, applied, explicit), extra=ALWAYS_SHOWN)
+    return applied, explicit | (given - platforms.CONSUMED), found
+
+
+def _slurm_node_addr(name: str) -> str | None:
+    """A SLURM node's address when its name does not resolve here: ``scontrol show node NAME``'s NodeAddr
+    (None when the name resolves, or scontrol cannot say)."""
+    try:
+        socket.getaddrinfo(name, None)
+        return None
+    except (OSError, UnicodeError):
+        pass
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "node", name], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"\bNodeAddr=(\S+)", out)
+    return match.group(1) if match else None
 
 
 def resolve(o: dict[str, Any], given: frozenset[str] = frozenset()) -> tuple[AgentSettings, str | None]:
@@ -52,9 +111,16 @@ def resolve(o: dict[str, Any], given: frozenset[str] = frozenset()) -> tuple[Age
         raise click.BadParameter(str(exc).removeprefix("--nnodes "), param_hint="--nnodes") from None
     nproc = _nproc(o["nproc_per_node"])
     argv = _worker_argv(o["training_script"], o["training_script_args"], o["module"], o["no_python"])
-    endpoint = o["rdzv_endpoint"]
+    if o["master"] and o["rdzv_endpoint"] and o["master"] != o["rdzv_endpoint"]:
+        raise click.UsageError("--master and --rdzv-endpoint name the same thing: give one of them")
+    endpoint = o["master"] or o["rdzv_endpoint"]
+    # Convenience mode (this agent hosts the master when none answers) only where torchrun's command line
+    # says a node hosts the rendezvous: its c10d spelling, or its static one (--master-addr/--master-port,
+    # or none: 127.0.0.1:29500); or when asked for. A mistyped --master is waited for, never hosted.
+    convenience = o["host_master"] or (not o["master"] and o["rdzv_backend"] == "c10d")
     if not endpoint and not o["standalone"] and (o["master_addr"] or max_nodes > 1):
         endpoint = f"{o['master_addr'] or '127.0.0.1'}:{o['master_port'] or 29500}"
+        convenience = True
     standalone = o["standalone"] or not endpoint
     if standalone and max_nodes > 1:
         raise click.UsageError(
@@ -83,17 +149,32 @@ def resolve(o: dict[str, Any], given: frozenset[str] = frozenset()) -> tuple[Age
         )
     host = o["local_addr"] or ("127.0.0.1" if standalone else local_address_for(split_address(masters[0])[0]))
     embed = None
-    if not standalone and len(masters) == 1 and is_local_host(split_address(masters[0])[0]):
+    local = len(masters) == 1 and is_local_host(split_address(masters[0])[0])
+    if o["host_master"] and not local:
+        raise click.UsageError(
+            "--host-master needs one --master address, an address of this host"
+            + ("; --standalone hosts its own master" if standalone else "")
+        )
+    if not standalone and local and convenience:
         embed = masters[0]
     tls_ca, tls_cert, tls_key = _tls(o, standalone, embed)
     ckpt_dir = pathlib.Path(o["ckpt_dir"]).resolve() if o["ckpt_dir"] else None
     if ckpt_dir is not None and (problem := check_folder(ckpt_dir)):
         raise click.BadParameter(problem, param_hint="--ckpt-dir")  # before anything starts: exit 2
+    # torchrun's spellings (c10d --rdzv-endpoint, --master-addr/--master-port, a platform's variables)
+    # without a token are its explicit opt-in to an unauthenticated job; --master never is.
+    token, unauthenticated = _token(o["token_file"], job_id, masters, convenience and not o["host_master"])
+    replicas = o["replicas"]
+    if unauthenticated and replicas:
+        if "replicas" in given:
+            raise click.UsageError(f"--replicas {replicas} off loopback needs a token: {_NO_TOKEN_HELP}")
+        replicas = 0  # the replication keys would be handed to anyone who joins (docs/security.md)
     settings = AgentSettings(
         argv=argv,
         nproc=nproc,
         job=job,
-        token=_token(o["token_file"], job_id, masters),
+        token=token,
+        unauthenticated=unauthenticated,
         node_id=o["node_id"] or f"{socket.gethostname()}-{os.getpid()}",
         node_id_is_default=not o["node_id"],
         masters=masters,
@@ -106,9 +187,10 @@ def resolve(o: dict[str, Any], given: frozenset[str] = frozenset()) -> tuple[Age
         log_dir=pathlib.Path(o["log_dir"]).resolve() if o["log_dir"] else None,
         ckpt_dir=ckpt_dir,
         ckpt_keep=o["ckpt_keep"],
-        replicas=o["replicas"],
+        replicas=replicas,
         replication_lag=o["replication_lag"],
         replication_bandwidth=o["replication_bandwidth"],
+        replication_peer_cap=o["replication_peer_cap"],
         ckpt_reset=o["ckpt_reset"],
         stop_grace_s=compat.stop_grace_s,
         master_timeout_s=o["master_timeout"],
@@ -182,25 +264,44 @@ _NO_TOKEN_HELP = (
 )
 
 
-def _token(token_file: str | None, job_id: str, masters: tuple[str, ...]) -> str:
-    """The job's token: --token-file, else ELASTIC_TOKEN, else (only where no other machine can reach the
-    master: standalone, or a master on loopback) a random or derived one."""
+def _token(
+    token_file: str | None, job_id: str, masters: tuple[str, ...], unauthenticated_ok: bool = False
+) -> tuple[str, bool]:
+    """``(token, unauthenticated)``: --token-file, else ELASTIC_TOKEN, else (only where no other machine can
+    reach the master: standalone, or a master on loopback) a random or derived one. Off loopback without a
+    token: a usage error, unless ``unauthenticated_ok`` (torchrun's spellings of the rendezvous, which
+    carry no token in torchrun either): then the derived token, ``unauthenticated`` True and one warning
+    line naming the risk and the fix."""
     try:
         token = job_token(token_file)
     except TokenError as exc:
         raise click.BadParameter(str(exc), param_hint="--token-file") from None
     if token is not None:
-        return token
+        return token, False
     if not masters:
-        return secrets.token_urlsafe(24)  # standalone: the embedded master listens on 127.0.0.1 only
+        return secrets.token_urlsafe(24), False  # standalone: the embedded master listens on 127.0.0.1 only
     # Torchrun-style command lines on one machine keep working with a derived token; off loopback the
     # listener rules refuse it (the master at that address, maybe hosted by an agent, would accept anyone).
     for address in masters:
         try:
             check_listener(MASTER_API, split_address(address)[0], auth=Auth.DERIVED, tls=False)
         except ListenerRuleError:
-            raise click.UsageError(_NO_TOKEN_HELP) from None
-    return derived_token(job_id)
+            if not unauthenticated_ok:
+                raise click.UsageError(_NO_TOKEN_HELP) from None
+            log.warning("%s", unauthenticated_warning(address))
+            return derived_token(job_id), True
+    return derived_token(job_id), False
+
+
+def unauthenticated_warning(address: str) -> str:
+    """The one line an agent of a token-less c10d job logs at start."""
+    return (
+        f"the job at {address} is {UNAUTHENTICATED} (torchrun's rendezvous spelling, no --token-file): "
+        "as with torchrun's c10d store, anyone who can reach that port can join the job, read its status, "
+        "and stop or restart every node; peer replication is off. To protect it, create a token (umask "
+        "077; python3 -c 'import secrets; print(secrets.token_urlsafe(32))' > tok), copy it to every node "
+        "and pass --token-file tok (or set ELASTIC_TOKEN)"
+    )
 
 
 def _tls(o: dict[str, Any], standalone: bool, embed: str | None) -> tuple[str | None, str | None, str | None]:
@@ -229,7 +330,7 @@ def _tls(o: dict[str, Any], standalone: bool, embed: str | None) -> tuple[str | 
     except TLSConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--tls-ca") from None
     try:
-        if cert and key and embed is not None:  # the other nodes of a torchrun-style command never host
+        if cert and key:  # checked even where this agent will not host: a bad file is a typo either way
             server_context(cert, key)
     except TLSConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="--tls-cert/--tls-key") from None

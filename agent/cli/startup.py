@@ -14,19 +14,21 @@ import logging
 import os
 import shlex
 import sys
+import tempfile
 import time
 from typing import TYPE_CHECKING
 
-from agent.errors import EXIT_CONFIG, AgentError
+from agent.errors import EXIT_CONFIG, EXIT_FAILED, AgentError
 from agent.settings import AgentSettings
 from elastic.control.addresses import split_address
-from elastic.control.error_table import MasterError, MasterTLSError, MasterUnreachableError
-from elastic.control.listener_rules import MASTER_API, Auth, check_listener
+from elastic.control.error_table import MasterError, MasterTLSError, MasterUnreachableError, NotAMasterError
+from elastic.control.listener_rules import MASTER_API, UNAUTHENTICATED, Auth, check_listener
 from elastic.exit_codes import ExitCode
-from elastic.text import printable
+from elastic.text import ALWAYS_SHOWN, printable
 
 if TYPE_CHECKING:
     from agent.checkpoints.keeper import CheckpointKeeper
+    from agent.workers.reaper import Reaper
     from master.http.serving import EmbeddedMaster  # the web stack is imported only when hosting
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
     """Start (or find) the master, then run the agent loop; returns the exit code."""
     from agent.checkpoints import replication
     from agent.checkpoints.keeper import keeper_for  # light imports (stdlib, psutil), as the next three
-    from agent.checkpoints.shm_folder import KeeperError
+    from agent.checkpoints.shm_folder import FolderHeldError, KeeperError
     from agent.warm.starter import WarmLauncher
     from agent.workers.group import Reaper, WorkerGroup
     from agent.workers.launchers import become_child_subreaper
@@ -55,7 +57,10 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
         from agent.observe.channel import ProgressChannel
         from elastic.control.client import MasterClient
 
+        standalone = settings.standalone  # not once the master is found: settings then name its address
         master, settings = _connect_or_host_master(settings, embed_at)
+        if standalone and master is not None:
+            _announce_standalone(master.address, settings, reaper)
         client = MasterClient(
             list(settings.masters), settings.job.job_id, settings.token, tls_ca=settings.tls_ca
         )
@@ -72,7 +77,13 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
         metrics = _serve_metrics(agent, settings)
         code = agent.run()
     except KeeperError as exc:
-        raise AgentError(f"cannot set up the checkpoint shared memory: {exc}") from None
+        # Another live agent on this host holds this job's and node id's folder: a duplicate --node-id,
+        # a usage error (exit 2) like the master's refusal of a duplicate join. shm_folder.take raises
+        # KeeperError from the FolderHeldError it caught (its context).
+        held = isinstance(exc.__context__, FolderHeldError)
+        raise AgentError(
+            f"cannot set up the checkpoint shared memory: {exc}", EXIT_CONFIG if held else EXIT_FAILED
+        ) from None
     finally:
         if metrics is not None:
             metrics.stop()
@@ -127,11 +138,38 @@ def unpersisted_exit(code: int, keeper: CheckpointKeeper | None) -> int:
     return int(ExitCode.FAILED) if code == ExitCode.SUCCESS else code
 
 
+def _announce_standalone(address: str, settings: AgentSettings, reaper: Reaper) -> None:
+    """Write the standalone master's token to a file in a private temporary folder (0700; the file 0600;
+    removed when the agent is gone, even killed: the reaper's sentinel removes it), never in the working
+    directory or --ckpt-dir, and say how to reach that master: ``elastic-master status``, /ui, /metrics."""
+    folder = tempfile.mkdtemp(prefix="elastic-run-")  # mode 0700
+    reaper.remove_on_exit(folder)
+    token_file = os.path.join(folder, "token")
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(settings.token + "\n")
+    job = settings.job.job_id
+    log.info(
+        "standalone master at %s (job %s), token file %s (removed at exit): elastic-master status "
+        "--master %s --job-id %s --token-file %s; status page http://%s/ui, metrics http://%s/metrics",
+        address,
+        job,
+        token_file,
+        address,
+        job,
+        shlex.quote(token_file),
+        address,
+        address,
+        extra=ALWAYS_SHOWN,
+    )
+
+
 def _connect_or_host_master(
     settings: AgentSettings, embed_at: str | None
 ) -> tuple[EmbeddedMaster | None, AgentSettings]:
     """Find the job master, or host one in this process; returns ``(embedded master or None, settings with
     the master addresses filled in)``."""
+    from agent.executor.master_link import WAIT_LINE_INTERVAL_S, master_wait_line
     from elastic.control.client import MasterClient  # httpx and pydantic: after the zygote started
 
     if settings.standalone:
@@ -150,13 +188,18 @@ def _connect_or_host_master(
     )
     # Agents that verify the master's certificate host one only when they have a certificate to serve.
     may_host = embed_at is not None and (settings.tls_ca is None or settings.tls_cert is not None)
-    deadline = time.monotonic() + settings.master_timeout_s
+    started = time.monotonic()
+    deadline, next_line = started + settings.master_timeout_s, started
     try:
         while True:
             try:
                 client.info()
                 return None, settings
-            except MasterUnreachableError:
+            except MasterUnreachableError as exc:
+                now = time.monotonic()
+                if now >= next_line and not may_host:  # one hosting the master never waits for one
+                    log.warning("%s", master_wait_line(exc, now - started, settings.master_timeout_s))
+                    next_line = now + WAIT_LINE_INTERVAL_S
                 if may_host and embed_at is not None:
                     from master.http.serving import EmbeddedMaster, bind_socket
                     from master.service.settings import ServerSettings
@@ -176,11 +219,17 @@ def _connect_or_host_master(
                             tls_key=settings.tls_key,
                         )
                         master = EmbeddedMaster(server, sock=sock).start()
-                        log.info("no master answered at %s; this agent hosts it (convenience mode)", embed_at)
-                        # Off loopback the token is a secret (agent.cli.resolve refused a derived one there).
+                        log.info(
+                            "no master answered at %s; this agent hosts it (convenience mode%s)",
+                            embed_at,
+                            f"; {UNAUTHENTICATED}" if settings.unauthenticated else "",
+                        )
+                        # Off loopback the token is a secret (agent.cli.resolve refused a derived one there),
+                        # or the job opted in to none: resolve's one warning line said all there is to say.
                         tls = settings.tls_cert is not None
-                        for warning in check_listener(MASTER_API, host, auth=Auth.SECRET, tls=tls):
-                            log.warning("%s", warning)
+                        if not settings.unauthenticated:
+                            for warning in check_listener(MASTER_API, host, auth=Auth.SECRET, tls=tls):
+                                log.warning("%s", warning)
                         return master, dataclasses.replace(settings, host_master_at=embed_at)
                 if time.monotonic() > deadline:
                     hint = (
@@ -193,7 +242,7 @@ def _connect_or_host_master(
                         f"{settings.master_timeout_s:g}s; start elastic-master there or check --master{hint}"
                     ) from None
                 time.sleep(0.2)  # the master may still be starting
-            except MasterTLSError as exc:
+            except (MasterTLSError, NotAMasterError) as exc:
                 raise AgentError(str(exc), EXIT_CONFIG) from None
             except MasterError as exc:
                 code = EXIT_CONFIG if getattr(exc, "status", 0) in (401, 409) else 1

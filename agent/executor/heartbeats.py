@@ -12,7 +12,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
 
+from agent.checkpoints import replication
 from agent.checkpoints.keeper import CheckpointKeeper, ReplicationFields
 from agent.executor.health import HangMonitor
 from agent.executor.master_link import MasterLink, OnGiveUp, PollPolicy
@@ -21,6 +24,7 @@ from agent.machine.events import AgentEvent, CommandReceived, HangSeen, NodeUnkn
 from agent.observe.channel import ProgressChannel
 from elastic.control.protocol import (
     PERSIST_ERROR_MAX,
+    CheckpointCorruption,
     Command,
     CommandReply,
     HeartbeatRequest,
@@ -54,6 +58,9 @@ def heartbeat_request(
     firsts = [t for p in progress.values() if (t := p.first_step_at) is not None]
     stepped = bool(firsts) and len(firsts) == len(progress) == len(view.pids)  # every worker stepped
     replication: ReplicationFields = keeper.replication_fields() if keeper else {}
+    # Only when there are some: a master that predates the field refuses unknown fields.
+    damaged = keeper.corruptions.pending() if keeper else []
+    corrupt: dict[str, Any] = {"ckpt_corrupt": [CheckpointCorruption(**asdict(c)) for c in damaged]}
     return HeartbeatRequest(
         node_id=node_id,
         round=view.round,
@@ -67,6 +74,7 @@ def heartbeat_request(
         workers_started_age_s=max(0.0, now - view.started_at) if view.started_at is not None else None,
         first_step_age_s=max(0.0, now - max(firsts)) if stepped else None,
         **replication,
+        **(corrupt if damaged else {}),
     )
 
 
@@ -128,11 +136,16 @@ class HeartbeatThread:
         client = self.link.client
         if not client.has_joined(self.link.settings.node_id):
             return None  # no incarnation yet (the join is being retried): nothing to report for
-        return client.heartbeat(self._request(), timeout=self.call_timeout)
+        request = self._request()
+        reply = client.heartbeat(request, timeout=self.call_timeout)
+        if self._keeper is not None and request.ckpt_corrupt:  # answered: the master has these reports
+            self._keeper.corruptions.delivered(c.id for c in request.ckpt_corrupt)
+        return reply
 
     def _answered(self, reply: CommandReply) -> None:
         if self._keeper is not None and reply.command is Command.CONTINUE:
-            self._keeper.set_replica_targets(reply.peers)  # peer replication (agent.checkpoints.replication)
+            # Peer replication's targets and keys (agent.checkpoints.replication).
+            replication.follow_master(self._keeper, reply.peers, reply.peer_keys, reply.replication_key)
         if reply.command is not Command.CONTINUE and self._view().state is NodeState.RUNNING:
             self._post(CommandReceived(reply, generation=self._tick))
 

@@ -7,9 +7,11 @@ their processes across rounds, the pause/resume exchange with them, and the step
 (and be kept at the next round) only when *every* one of them did so (a script that does not use the API
 keeps the process-restart path). A worker's ``broken`` report (its collective failed) is passed to
 ``on_broken`` for the agent to report; its ``failed`` report (its group could not re-form) is kept for the
-next probe. :class:`InProcessSteps` probes, pauses, waits for the pause, keeps paused workers at the next
-start and records a fallback; whether to pause, stop or fall back is the machine's choice
-(agent.machine.decisions).
+next probe. A line that breaks the protocol (elastic.inprocess.wire.decode: malformed JSON, NaN, too deep,
+a wrong field) is answered ``error`` and ends that worker's connection only (one log line, no traceback);
+the worker then recovers by process restarts. :class:`InProcessSteps` probes, pauses, waits for the
+pause, keeps paused workers at the next start and records a fallback; whether to pause, stop or fall back
+is the machine's choice (agent.machine.decisions).
 """
 
 from __future__ import annotations
@@ -177,6 +179,9 @@ class InProcessHub:
                     return None
                 self._workers[worker.pid] = worker
             log.debug("local rank %d (pid %d) recovers in process", worker.local_rank, worker.pid)
+            return worker
+        if op == wire.ERROR:  # the worker closes the connection next
+            log.warning("in-process channel: a worker refused a message of this agent: %r", message["error"])
             return worker
         if worker is None:
             log.warning("in-process channel: %s before hello; ignored", op)

@@ -9,8 +9,16 @@ performs the actions in order:
 * heartbeat (agent.executor.heartbeats) — reports the node's state every interval, relays a non-``continue``
   command, checks for hangs;
 * exit relay — forwards worker exits the moment the worker group sees them;
-* signal handlers (:class:`SignalRouter`) — shutdown signals become events; others are forwarded to the
-  workers.
+* signal handlers (:class:`SignalRouter`) — shutdown signals and the pre-emption signal become events;
+  others are forwarded to the workers.
+
+Pre-emption (``--preempt-signal``, SIGUSR1 by default: SLURM's warning before a time limit or a
+pre-emption) stops the job on this node as SIGTERM does (workers stopped, the master told that the node
+leaves; the checkpoint keeper then persists the newest flash step as it stops), but :meth:`ElasticAgent.run`
+returns 1, retryable, instead of 128+N: the batch script requeues the job on 1 and the requeued job
+resumes from that step. Before each join, an agent under SLURM asks ``sinfo`` for its node's state
+(agent.executor.slurm_state) and, when SLURM drains it or declared it down or failed, leaves the job and
+exits 4 instead of joining.
 
 An action that is a call the machine waits for (join, a report, a serve watch, the in-process probe and
 pause wait) is answered by feeding its reply, or its failure, to the machine before any queued event.
@@ -42,6 +50,7 @@ from agent.executor.inprocess import InProcessHub, InProcessSteps
 from agent.executor.master_link import LONG_POLL_S, CallFailed, MasterLink
 from agent.executor.net import free_port
 from agent.executor.node_view import NodeView
+from agent.executor.slurm_state import SlurmNodeState
 from agent.executor.tls_trouble import TLSTrouble
 from agent.machine import events as ev
 from agent.machine.decisions import CHECK_TIMEOUT_S, AgentMachine, MachineConfig
@@ -65,6 +74,8 @@ from elastic.control.protocol import (
     WorkerFailure,
     describe_figures,
 )
+from elastic.exit_codes import ExitCode, for_signal
+from elastic.text import ALWAYS_SHOWN
 
 log = logging.getLogger(__name__)
 
@@ -128,13 +139,31 @@ class ElasticAgent:
         self.progress = ProgressReporter(settings.progress_interval_s, lambda: sample_agent(self), log.info)
         self._check_timer: threading.Timer | None = None
         self._check_file = Path()  # where the running node check writes its figures
+        #: The line of a restart the master announced, when its round replies say nothing about it.
+        self._restart_plain: str | None = None
+        #: The pre-emption signal once received (--preempt-signal): the exit is then 1, not 128+N.
+        self.preempted: int | None = None
+        #: SLURM's state of this node, read before each join (None: not under SLURM).
+        self.slurm = SlurmNodeState(settings.slurm_node) if settings.slurm_node else None
+        self._slurm_warning: str | None = None  # the last "cannot tell" of that check, logged when it changes
 
     # -- entry point ---------------------------------------------------------------------------------
     def run(self) -> int:
         self._check_job_settings()
-        with SignalRouter(self.settings.signals, self._on_signal, self._forward_signal):
+        plan, preempt = self.settings.signals, self.settings.preempt_signal
+        with SignalRouter(plan, self._on_signal, self._forward_signal, preempt):
             try:
-                return self._drive()
+                code = self._drive()
+                if self.preempted is not None and code == for_signal(self.preempted):
+                    log.warning(
+                        "pre-empted (%s): workers stopped, the newest checkpoint is persisted before exit; "
+                        "exiting %d (retryable) so that the job is requeued",
+                        signal.Signals(self.preempted).name,
+                        ExitCode.FAILED,
+                        extra=ALWAYS_SHOWN,
+                    )
+                    return int(ExitCode.FAILED)
+                return code
             finally:
                 self.progress.stop()
                 self._closing.set()
@@ -195,6 +224,9 @@ class ElasticAgent:
 
     def _join(self, action: ev.Join) -> ev.AgentEvent:
         self.view = NodeView()
+        refused = self._slurm_refusal()
+        if refused is not None:
+            return refused
         req = JoinRequest(
             node_id=self.settings.node_id,
             host=self.host,
@@ -212,7 +244,9 @@ class ElasticAgent:
         return ev.Joined(joined.round, joined.master_id)
 
     def _await_round(self, action: ev.AwaitRound) -> None:
-        self.link.start_round_wait(action.generation, action.after)
+        # A node that ran workers says why it restarts them at the first reply (master_link.RoundWaitLines).
+        plain, self._restart_plain = self._restart_plain, None
+        self.link.start_round_wait(action.generation, action.after, self.assignment is not None, plain)
 
     def _start_workers(self, action: ev.StartWorkers) -> None:
         assignment, s = action.assignment, self.settings
@@ -338,14 +372,19 @@ class ElasticAgent:
         return ev.MasterReplied(reply)
 
     def _record_restart(self, action: ev.RecordRestart) -> None:
-        log.info("master opened round %d; restarting workers", action.round)
+        # Said once the node waits for the round: the master's reply then says why it opened (one line).
+        self._restart_plain = f"master opened round {action.round}; restarting workers"
         self.event_log.record("restart", round=action.round)
 
     def _leave(self, action: ev.Leave) -> None:
         name = signal.Signals(action.signum).name
-        self.event_log.record("node_left", signal=name)
+        preempted = action.signum == self.preempted
+        self.event_log.record("node_left", signal=name, **({"preempted": True} if preempted else {}))
+        reason = f"agent received {name}"
+        if preempted:
+            reason += " (pre-emption: it persists its newest checkpoint and exits 1 to be requeued)"
         try:
-            self.client.leave(LeaveRequest(node_id=self.settings.node_id, reason=f"agent received {name}"))
+            self.client.leave(LeaveRequest(node_id=self.settings.node_id, reason=reason))
         except MasterError as exc:
             log.info("could not tell the master that this node leaves: %s", exc)
 
@@ -356,7 +395,7 @@ class ElasticAgent:
         if outcome is None:
             return
         if outcome.succeeded:
-            log.info("job succeeded")
+            log.info("job succeeded", extra=ALWAYS_SHOWN)  # --quiet keeps it: the run's last word
         else:
             # Printed by the CLI after every resource is released, so it is the last line a user sees.
             self.failure_summary = outcome.summary
@@ -365,6 +404,29 @@ class ElasticAgent:
         print(f"elastic-run: {action.summary}", file=sys.stderr, flush=True)
 
     # -- helpers -------------------------------------------------------------------------------------
+    def _slurm_refusal(self) -> ev.AgentEvent | None:
+        """Before a join: a refusal (exit 4) when SLURM drains this node or declared it down or failed, after
+        telling the master that the node leaves (an event there: ``node_left`` with the reason). The
+        check fails open: when sinfo cannot tell, the node joins and the reason is logged once."""
+        if self.slurm is None:
+            return None
+        verdict = self.slurm.check()
+        if verdict.warning != self._slurm_warning:
+            self._slurm_warning = verdict.warning
+            if verdict.warning is not None:
+                log.warning("%s; joining anyway (the drain check fails open)", verdict.warning)
+                self.event_log.record("slurm_state_unknown", reason=verdict.warning)
+        if verdict.refused is None:
+            return None
+        why = f"{verdict.refused}: this node does not join the next round"
+        self.event_log.record("node_refused", reason=why)
+        try:  # a member of an earlier round leaves; a node that never joined is unknown to the master
+            self.client.leave(LeaveRequest(node_id=self.settings.node_id, reason=why))
+        except MasterError as exc:
+            log.info("could not tell the master that this node leaves: %s", exc)
+        hint = "resume it (scontrol update NodeName=... State=RESUME) or let the job go on without it"
+        return ev.Rejected(f"{why}; {hint}", int(ExitCode.NODE_UNHEALTHY))
+
     def _report_failure(
         self, round_number: int, info: FailureInfo, kind: FailureKind, seen_at: float
     ) -> ev.AgentEvent:
@@ -407,6 +469,8 @@ class ElasticAgent:
 
     # -- signals -------------------------------------------------------------------------------------
     def _on_signal(self, signum: int) -> None:
+        if signum == self.settings.preempt_signal:  # not forwarded (SignalRouter): this node is pre-empted
+            self.preempted = signum
         self.events.put(ev.SignalReceived(signum))
 
     def _forward_signal(self, signum: int) -> None:
@@ -523,16 +587,23 @@ class SignalRouter:
     """The agent's signal handlers (torchrun's ``--signals-to-handle``), installed from a
     :class:`SignalPlan` (main thread only); use as a context manager.
 
-    A shutdown signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) is handed to ``on_shutdown`` (the loop queues it
-    and stops the job gracefully). Any other handled signal (SIGUSR1, SIGUSR2: SLURM's warning before a
-    time limit) is forwarded to every live worker by a thread of its own, so that the handler itself takes
-    no lock and the agent's main thread is never needed for it: the agent keeps running.
+    A shutdown signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) and the pre-emption signal ``preempt`` (SIGUSR1:
+    SLURM's warning before a time limit) are handed to ``on_shutdown`` (the loop queues them and stops the
+    job gracefully). Any other handled signal (``--signals-to-handle SIGUSR2``) is forwarded to every live
+    worker by a thread of its own, so that the handler itself takes no lock and the agent's main thread is
+    never needed for it: the agent keeps running. A signal both forwarded and ``preempt`` is forwarded:
+    torchrun's ``--signals-to-handle`` asked for that explicitly.
     """
 
     def __init__(
-        self, plan: SignalPlan, on_shutdown: Callable[[int], None], forward: Callable[[int], None]
+        self,
+        plan: SignalPlan,
+        on_shutdown: Callable[[int], None],
+        forward: Callable[[int], None],
+        preempt: signal.Signals | None = None,
     ) -> None:
         self._plan = plan
+        self._handled = plan.handled | ({preempt} if preempt is not None else set())
         self._on_shutdown = on_shutdown
         self._forward = forward
         self._pending: queue.SimpleQueue[int | None] = queue.SimpleQueue()  # put() is reentrant
@@ -543,7 +614,7 @@ class SignalRouter:
         if self._plan.forward:
             self._thread = threading.Thread(target=self._forward_loop, name="signal-forward", daemon=True)
             self._thread.start()
-        for sig in sorted(self._plan.handled):
+        for sig in sorted(self._handled):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

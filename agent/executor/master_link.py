@@ -42,13 +42,135 @@ from elastic.control.client import (
     NoLeaderError,
     describe_answers,
 )
-from elastic.control.error_table import Disposition
-from elastic.control.protocol import Command, CommandReply, JobInfo, RoundReply, RoundStatus
+from elastic.control.error_table import Disposition, ErrorCode
+from elastic.control.protocol import Command, CommandReply, JobInfo, RoundOpening, RoundReply, RoundStatus
+from elastic.exit_codes import ExitCode
 
 log = logging.getLogger(__name__)
 
 #: How long one long-poll (round, watch) may wait at the master.
 LONG_POLL_S = 20.0
+
+#: Seconds between two lines of an agent that waits (for the master, for other nodes): steady, and far
+#: apart enough that a long wait is a few lines, not one a heartbeat.
+WAIT_LINE_INTERVAL_S = 10.0
+
+
+def master_wait_line(exc: Exception, waited_s: float, timeout_s: float) -> str:
+    """``no answer from A:1 for 12 s; standby B:2 answers 503 not_leader; giving up after --master-timeout
+    300 s``: what each master address answered while none leads."""
+    answers: dict[str, str] = getattr(exc, "answers", {}) or {}
+    parts = []
+    for address, answer in answers.items():
+        if answer.startswith("no answer"):
+            parts.append(f"no answer from {address} for {waited_s:.0f} s")
+        elif answer.endswith("not_leader"):
+            parts.append(f"standby {address} answers {answer}")
+        else:
+            parts.append(f"{address} answers {answer}")
+    said = "; ".join(parts) or f"no job master answered for {waited_s:.0f} s ({exc})"
+    return f"{said}; waiting, giving up after --master-timeout {timeout_s:g} s"
+
+
+#: A node waiting for its round says so this long after the wait began (well within 5 s), then every
+#: :data:`WAIT_LINE_INTERVAL_S`: a round that closes sooner (every member straight back) prints no line.
+WAIT_FIRST_LINE_S = 1.0
+
+#: Causes of a round's opening that are worker failures (RoundOpening.cause; master.job.events.Cause).
+FAILURE_CAUSES = ("worker_failure", "hang")
+
+
+def _nodes(count: int) -> str:
+    return f"{count} node" if count == 1 else f"{count} nodes"
+
+
+def nodes_wait_line(reply: RoundReply) -> str | None:
+    """``round 3: 2 of 3 nodes joined (min 2, max 3); last call ends in 1.4 s``: what a waiting node waits
+    for, from a ``waiting`` round reply; None when the master sent no figures (an older master)."""
+    joined, low, high = reply.joined, reply.min_nodes, reply.max_nodes
+    if joined is None or low is None or high is None:
+        return None
+    bounds = f"(min {low}, max {high})"
+    last_call = reply.last_call_ends_in_s
+    if reply.running_nodes is not None:  # a round runs without this node
+        head = f"round {reply.round} runs with {_nodes(reply.running_nodes)}; {joined} waiting {bounds}"
+        if last_call is not None:
+            return f"{head}; last call ends in {last_call:.1f} s, then a larger round opens"
+        if reply.running_nodes >= high:
+            return f"{head}; the maximum is reached: this node waits for a free slot"
+        return f"{head}; waiting for enough nodes to enlarge the world (--node-unit)"
+    back = reply.expected_back or 0
+    if joined < low:
+        more = low - joined
+        also = f"; {_nodes(back)} of the last round not back yet" if back else ""
+        return (
+            f"round {reply.round}: {joined} of {low} nodes joined {bounds}; waiting for {more} more "
+            f"{'node' if more == 1 else 'nodes'} to reach the minimum {low}{also}"
+        )
+    if back:
+        members = "member" if back == 1 else "members"
+        return (
+            f"round {reply.round}: {joined} of {joined + back} nodes joined {bounds}; waiting for {back} "
+            f"{members} of the last round to rejoin"
+        )
+    head = f"round {reply.round}: {joined} of {high} nodes joined {bounds}"
+    if last_call is not None:
+        return f"{head}; last call ends in {last_call:.1f} s"
+    return f"{head}; the round closes now"
+
+
+def restart_line(opening: RoundOpening) -> str:
+    """``restarting workers (attempt 2 of 3 restarts): rank 1 ...`` or ``new round 4: admitting waiting
+    nodes n-c (membership change, not charged)``: why this node restarts its workers, from the master."""
+    budget = f"{opening.restart_count} of {opening.max_restarts} restarts"
+    if opening.charged:
+        return f"restarting workers (attempt {budget}): {opening.why}"
+    if opening.cause in FAILURE_CAUSES:  # a failure the budget could not pay for
+        return (
+            f"no restart left ({budget} spent): {opening.why}; the job fails unless a lost node explains "
+            "the failure"
+        )
+    free = "membership change, not charged" if opening.cause else "not charged"
+    return f"new round {opening.round}: {opening.why} ({free})"
+
+
+class RoundWaitLines:
+    """The lines of a node that waits for its round (times in the poll's clock, passed in): why it
+    restarts its workers, once, from the first reply; how the rendezvous stands, :data:`WAIT_FIRST_LINE_S`
+    after the wait began, then every :data:`WAIT_LINE_INTERVAL_S`. The round long-poll lasts until the
+    next line is due (:meth:`poll_timeout`), so each line reads counts that are fresh.
+
+    ``restarting``: this node ran workers in an earlier round; ``plain``: the line to print when the master
+    says nothing about the round's opening (an older master), or None."""
+
+    def __init__(self, started_at: float, restarting: bool, plain: str | None = None) -> None:
+        self.next_line_at = started_at + WAIT_FIRST_LINE_S
+        self.restarting = restarting
+        self.plain = plain
+        self.first = True  # no reply yet
+
+    def poll_timeout(self, now: float) -> float:
+        """How long the next round long-poll may wait: until the next line is due, at most LONG_POLL_S."""
+        return min(LONG_POLL_S, max(0.0, self.next_line_at - now))
+
+    def lines(self, reply: RoundReply, now: float) -> list[tuple[int, str]]:
+        """``(level, text)`` of the lines ``reply``, answered at ``now``, calls for."""
+        out: list[tuple[int, str]] = []
+        if self.first:
+            self.first = False
+            opening = reply.assignment.opening if reply.assignment is not None else reply.opening
+            if opening is not None and self.restarting:
+                failure = opening.charged or opening.cause in FAILURE_CAUSES
+                out.append((logging.WARNING if failure else logging.INFO, restart_line(opening)))
+            elif self.plain is not None:
+                out.append((logging.INFO, self.plain))
+        if reply.status is RoundStatus.WAITING and now >= self.next_line_at:
+            self.next_line_at = now + WAIT_LINE_INTERVAL_S
+            line = nodes_wait_line(reply)
+            if line is not None:
+                out.append((logging.INFO, line))
+        return out
+
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -140,6 +262,7 @@ class MasterLink:
         #: What each master address answered in the newest call that none answered as the leader.
         self.last_answers: dict[str, str] = {}
         self._standbys_said = False  # the "only standbys answer" line was logged since the last contact
+        self._silence_said_at: float | None = None  # when the newest "lost the job master" line was logged
 
     def check_job(self) -> JobInfo:
         """The master's job settings; an :class:`AgentError` when this agent's --nnodes disagrees."""
@@ -157,7 +280,11 @@ class MasterLink:
     # -- contact -------------------------------------------------------------------------------------
     def contact(self) -> None:
         """A master answered."""
-        self.last_contact = self.clock.monotonic()
+        now = self.clock.monotonic()
+        if self._silence_said_at is not None:
+            self._silence_said_at = None
+            log.warning("the job master answers again after %.0f s of silence", now - self.last_contact)
+        self.last_contact = now
         self.tls_trouble.answered()
         self.last_answers = {}
         if self._standbys_said:
@@ -168,6 +295,17 @@ class MasterLink:
         """A call that no master answered as the leader: remember what each address said, and say once
         when every one of them answered 503 not_leader (up and standing by while none leads: an election
         or a takeover under way, not masters that are gone)."""
+        now = self.clock.monotonic()
+        if self._silence_said_at is None or now - self._silence_said_at >= WAIT_LINE_INTERVAL_S:
+            # At once (the first failed call after an answer: within a heartbeat interval of the loss),
+            # then at a steady interval while the silence lasts.
+            self._silence_said_at = now
+            standbys_first = isinstance(exc, NoLeaderError) and exc.only_standbys and not self._standbys_said
+            if not standbys_first:  # that case has its own first line, below
+                log.warning(
+                    "lost the job master: %s; the workers keep training meanwhile",
+                    master_wait_line(exc, now - self.last_contact, self.settings.master_timeout_s),
+                )
         if not isinstance(exc, NoLeaderError):
             return
         self.last_answers = exc.answers
@@ -302,10 +440,14 @@ class MasterLink:
         return answer
 
     # -- long-poll threads ---------------------------------------------------------------------------
-    def start_round_wait(self, generation: int, after: int) -> None:
-        """Long-poll (thread ``rendezvous``) for this node's first assignment after round ``after``."""
+    def start_round_wait(
+        self, generation: int, after: int, restarting: bool = False, plain: str | None = None
+    ) -> None:
+        """Long-poll (thread ``rendezvous``) for this node's first assignment after round ``after``, saying
+        why it waits (:class:`RoundWaitLines`: ``restarting`` and ``plain`` are its)."""
+        lines = RoundWaitLines(self.clock.monotonic(), restarting, plain)
         threading.Thread(
-            target=self._await_assignment, args=(generation, after), name="rendezvous", daemon=True
+            target=self._await_assignment, args=(generation, after, lines), name="rendezvous", daemon=True
         ).start()
 
     def start_watch(self, generation: int, round_number: int) -> None:
@@ -320,8 +462,10 @@ class MasterLink:
     def _long_poll_backoff(self) -> tuple[float, float]:
         return (0.1, min(1.0, self.heartbeat_interval))  # while the master is away
 
-    def _await_assignment(self, generation: int, after: int) -> None:
+    def _await_assignment(self, generation: int, after: int, lines: RoundWaitLines) -> None:
         def answered(reply: RoundReply) -> bool | None:
+            for level, text in lines.lines(reply, self.clock.monotonic()):
+                log.log(level, "%s", text)
             if reply.status == RoundStatus.ASSIGNED and reply.assignment is not None:
                 self._post(RoundAssigned(reply.assignment, generation=generation))
                 return True
@@ -333,7 +477,7 @@ class MasterLink:
         policy = PollPolicy("rendezvous", self._long_poll_backoff(), report_refusals=True)
         node_id = self.settings.node_id
         self.poll(
-            lambda: self.client.next_round(node_id, after, LONG_POLL_S),
+            lambda: self.client.next_round(node_id, after, lines.poll_timeout(self.clock.monotonic())),
             policy,
             answered,
             wanted=lambda: self._current(generation),
@@ -359,7 +503,10 @@ class MasterLink:
 
 
 def exit_code(exc: MasterRejectedError) -> int:
-    """A configuration problem (token, node id, --nnodes, job id) exits 2, anything else 1."""
+    """A configuration problem (token, node id, --nnodes, job id) exits 2, a node excluded as unhealthy
+    (flapping, a failed node check) 4, anything else 1."""
+    if exc.code == ErrorCode.NODE_EXCLUDED:
+        return ExitCode.NODE_UNHEALTHY
     return EXIT_CONFIG if exc.status in (401, 403, 409, 422) else EXIT_FAILED
 
 

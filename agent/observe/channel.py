@@ -5,8 +5,10 @@ the last step, when it last advanced, recent step times and the newest checkpoin
 reports are also passed to an optional ``on_checkpoint(local_rank, step, location, persist_to)``
 callback (the checkpoint keeper), called on the receiving thread: it must not block. A report that
 carries the worker's round (from ``ELASTIC_ROUND``) passes it as ``round_number=``, which fences the
-keeper's persist; reports of workers that do not send it call the callback without it. A checkpoint
-report that carries the save's duration (seconds) adds it to :attr:`save_latency`, a
+keeper's persist; reports of workers that do not send it call the callback without it. A report that a
+restore found a damaged copy (kind ``corrupt``, :func:`elastic.report.report_corrupt`) calls the same
+callback with ``corrupt=True`` (the file as the location), for the keeper to report it to the master. A
+checkpoint report that carries the save's duration (seconds) adds it to :attr:`save_latency`, a
 :class:`LatencyHistogram` (cumulative buckets, as Prometheus exposes them) that :mod:`agent.observe.metrics`
 reads when Prometheus scrapes. The datagram's form is :class:`elastic.contract.Progress`.
 
@@ -76,6 +78,8 @@ class ProgressChannel:
         self._ranks: dict[int, RankProgress] = {}
         #: Durations of the workers' checkpoint saves (in memory), as they reported them.
         self.save_latency = LatencyHistogram()
+        #: Reports of checkpoint copies that failed their digest at a worker's restore.
+        self.corrupt_reports = 0
         self._closed = False
         self._thread = threading.Thread(target=self._receive, name="progress-channel", daemon=True)
         self._thread.start()
@@ -136,6 +140,25 @@ class ProgressChannel:
                     self._on_checkpoint(rank, step, report.location, report.persist_to, **fence)
                 except Exception:  # a failing callback must not stop progress reports
                     log.exception("checkpoint callback failed for local rank %d step %d", rank, step)
+            elif current and kind is ProgressKind.CORRUPT:
+                self._corrupt(rank, step, report.location)
+
+    def _corrupt(self, rank: int, step: int, location: str) -> None:
+        """A worker's restore found a copy whose bytes fail their digest: logged here, and passed on to the
+        keeper (``on_checkpoint(..., corrupt=True)``), whose corruption log the heartbeats carry."""
+        self.corrupt_reports += 1
+        log.error(
+            "local rank %d: the checkpoint of step %d at %s failed its digest check at restore (not loaded)",
+            rank,
+            step,
+            location or "?",
+        )
+        if self._on_checkpoint is None:
+            return
+        try:
+            self._on_checkpoint(rank, step, location, "", corrupt=True)
+        except Exception:  # a failing callback must not stop progress reports
+            log.exception("corruption callback failed for local rank %d step %d", rank, step)
 
     def _apply(self, rank: int, kind: ProgressKind, step: int, compute: float | None = None) -> bool:
         """Record a report; False when it is of no current local rank."""

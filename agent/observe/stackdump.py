@@ -10,19 +10,23 @@ Two ways, the first that works:
    then SIGCONT so that a stopped worker runs the handler, and waits (bounded) for the dump to land.
 
 Both files sit next to the worker's logs: ``<log dir>/<attempt>/rank<N>/`` with ``--log-dir``, else in the
-worker group's error folder (a temporary folder; the agent also logs the stack itself).
+worker group's error folder, a temporary folder removed at the agent's exit: a dump taken there is copied
+to a folder that is kept (``$TMPDIR/elastic-run-stacks-*/<attempt>/rank<N>/``, one per agent, private), and
+that copy is the path the agent's lines and the failure summary name. The agent also logs the stack itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import functools
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -145,10 +149,44 @@ def _libc() -> ctypes.CDLL:
 
 
 def dump_stack(pid: int, global_rank: int, stack_file: Path, timeout_s: float = DUMP_TIMEOUT_S) -> StackDump:
-    """Record the Python stack of worker ``pid`` (py-spy, else faulthandler); never raises."""
-    return _py_spy(pid, global_rank, stack_file, timeout_s) or _faulthandler(
+    """Record the Python stack of worker ``pid`` (py-spy, else faulthandler); never raises. A dump in a
+    folder removed at exit is copied to a kept one (:func:`kept_copy`), whose path the result names."""
+    dump = _py_spy(pid, global_rank, stack_file, timeout_s) or _faulthandler(
         pid, global_rank, stack_file, timeout_s
     )
+    if dump.path is None or not removed_at_exit(dump.path):
+        return dump
+    try:
+        return dataclasses.replace(dump, path=kept_copy(dump.path))
+    except OSError as exc:  # the dump is still in the log lines; say why the file is not kept
+        return dataclasses.replace(dump, error=f"not kept ({exc.strerror or exc})")
+
+
+#: The name prefix of the worker group's default error folder (agent.workers.group: a temporary folder
+#: the agent removes at exit, also when killed).
+TEMPORARY_ROOT_PREFIX = "elastic-run-errors-"
+#: The name prefix of the folder where such dumps are kept.
+KEPT_PREFIX = "elastic-run-stacks-"
+_kept_root: Path | None = None
+_kept_lock = threading.Lock()
+
+
+def removed_at_exit(path: Path) -> bool:
+    """True when ``path`` lies in the worker group's temporary error folder."""
+    return any(part.startswith(TEMPORARY_ROOT_PREFIX) for part in path.parts)
+
+
+def kept_copy(path: Path) -> Path:
+    """Copy ``path`` (``.../<attempt>/rank<N>/<file>``) into this agent's kept stack folder, created on the
+    first call (private: 0700); returns the copy's path."""
+    global _kept_root
+    with _kept_lock:
+        if _kept_root is None:
+            _kept_root = Path(tempfile.mkdtemp(prefix=KEPT_PREFIX))
+        target = _kept_root.joinpath(*path.parts[-3:])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(path, target)
+    return target
 
 
 def dump_stacks(targets: list[tuple[int, int, Path]], timeout_s: float = DUMP_TIMEOUT_S) -> list[StackDump]:

@@ -3,7 +3,8 @@
 A worker whose entry point is wrapped in ``torch.distributed.elastic.multiprocessing.errors.record`` writes
 its uncaught exception to the file named by ``TORCHELASTIC_ERROR_FILE`` as
 ``{"message": {"message": "RuntimeError: boom", "extraInfo": {"py_callstack": ..., "timestamp": ...}}}``.
-When there is no such file, the message comes from the tail of the worker's stderr instead.
+When there is no such file, the message comes from the tail of the worker's stderr instead. Either way the
+message is one line that says what failed (:func:`message_from_stderr`), never a line that says where.
 """
 
 import json
@@ -16,11 +17,20 @@ logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_CHARS = 2000
 
-# The last line of a Python traceback: "RuntimeError: boom", "torch.distributed.DistBackendError: ...",
-# "KeyboardInterrupt", "AssertionError".
+# An exception line: "RuntimeError: boom", "torch.distributed.DistBackendError: ...", "KeyboardInterrupt",
+# "AssertionError".
 _EXCEPTION_LINE = re.compile(
     r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Failure)(?::.*)?$"
 )
+# The prefix torch's excepthook puts before each line of a distributed worker's traceback ("[rank0]: ").
+_TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+# Lines that locate code rather than say what failed: Python's frames and the carets under them, torch's
+# C++ frame list ("frame #N: ...", "Exception raised from ...") and the Python frames it appends
+# (".../default_hooks.py(31): <lambda>").
+_FRAME_LINE = re.compile(
+    r'^(?:File "|frame #\d+:|Exception raised from |\S*\.py\(\d+\): |[\^~]+$|\(most recent call first\))'
+)
+_TRACEBACK = "Traceback (most recent call last):"
 
 
 def error_file_path(error_dir: Path, attempt: str, global_rank: int) -> Path:
@@ -57,16 +67,31 @@ def read_error_file(path: Path) -> str | None:
     if not isinstance(message, str) or not message.strip():
         logger.warning("worker error file %s has no message; ignoring it", path)
         return None
-    return truncate(message.strip())
+    # torch's errors carry a C++ frame list after their first line: the summary is the exception line.
+    return message_from_stderr(message.splitlines()) if "\n" in message.strip() else truncate(message.strip())
 
 
 def message_from_stderr(lines: Iterable[str]) -> str | None:
-    """The most telling line of a worker's stderr tail: the last exception line, else the last line."""
-    non_empty = [line.strip() for line in lines if line.strip()]
-    for line in reversed(non_empty):
+    """The root cause in a worker's stderr tail, as one line: the exception line of the last traceback
+    (its first line, where the message of torch's errors goes on with a C++ frame list), else the last
+    exception line, else the last line that is not a frame; None for no text. torch's ``[rankN]:``
+    prefixes are removed first."""
+    text = [_TORCH_RANK_PREFIX.sub("", line.rstrip()) for line in lines]
+    text = [line for line in text if line.strip()]
+    starts = [i for i, line in enumerate(text) if line.strip() == _TRACEBACK]
+    if starts:
+        for line in text[starts[-1] + 1 :]:
+            # A frame's code line is indented; the exception line starts at the margin.
+            if not line.startswith(" ") and _EXCEPTION_LINE.match(line):
+                return truncate(line)
+    stripped = [line.strip() for line in text]
+    for line in reversed(stripped):
         if _EXCEPTION_LINE.match(line):
             return truncate(line)
-    return truncate(non_empty[-1]) if non_empty else None
+    for line in reversed(stripped):
+        if not _FRAME_LINE.match(line):
+            return truncate(line)
+    return truncate(stripped[-1]) if stripped else None
 
 
 def truncate(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:

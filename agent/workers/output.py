@@ -1,7 +1,8 @@
 """Forwarding of worker output: one reader thread per pipe prefixes each line with the worker's rank.
 
-Lines go to the agent's own stdout/stderr as ``[rank<global rank>]:<line>`` (torchrun's tee prefix), one
-whole line per write and flushed, so ranks interleave by line, never mid-line, unless an
+Lines go to the agent's own stdout/stderr as ``[rank<global rank>]:<line>`` (torchrun's tee prefix; a line
+that already starts with it, as torch's excepthook writes tracebacks, is not prefixed twice), one whole line
+per write and flushed, so ranks interleave by line, never mid-line, unless an
 :class:`OutputPolicy` keeps the stream off the console. The raw bytes are also teed to a log file when one
 is given, lines matching a filter are copied to a :class:`~agent.workers.filtered_log.FilteredLog`, and the
 last lines of stderr are kept in memory for failure summaries.
@@ -22,7 +23,11 @@ logger = logging.getLogger(__name__)
 
 # A worker that prints without newlines (progress bars) must not grow a line without bound.
 MAX_LINE_BYTES = 64 * 1024
-STDERR_TAIL_LINES = 50
+#: stderr lines kept for the failure summary (agent.workers.errors_file): a traceback whose exception
+#: message carries torch's C++ frame list (dozens of lines) still has its exception line in there.
+STDERR_TAIL_LINES = 200
+#: Characters of one line kept in the tail: the summary is cut to 2,000 anyway.
+TAIL_LINE_CHARS = 4000
 
 StreamName = Literal["stdout", "stderr"]
 
@@ -178,8 +183,10 @@ def _forward(
                 log_file = _write_log(log_file, raw)
             line = raw.decode("utf-8", errors="replace").removesuffix("\n").removesuffix("\r")
             if tail is not None and line.strip():
-                tail.append(line)
-            prefix = label.prefix
+                tail.append(line[:TAIL_LINE_CHARS])
+            # torch's excepthook already prefixes a distributed worker's traceback with "[rank<R>]:":
+            # that line is shown as it is, not as "[rank0]:[rank0]: ...".
+            prefix = "" if line.startswith(label.prefix) else label.prefix
             if sink is not None:
                 sink.write_line(f"{prefix}{line}\n")
             if filtered is not None and filtered.matches(line):

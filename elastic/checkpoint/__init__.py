@@ -9,10 +9,14 @@ the same step on every rank (``replicated``). Sharded (DCP) saves follow the sam
 (which step, which files move between nodes, the folder ``dcp.load`` reads) and ``dcp_io`` (DCP's writer,
 replay and reader on shared memory); the worker API for them is :mod:`elastic.sharded`. File layouts
 (``layout``, ``shard_layout``) are standard library only, because the agent reads them and never imports
-torch.
+torch. Every flash checkpoint carries a digest of its saved bytes (``digest``: xxh3_128, computed during
+the save's copy, checked before a restore builds a tensor; standard library and xxhash only):
+:func:`digest_of` reads a file's recorded digest without parsing it, :func:`verify_file` checks a file's
+bytes against it (:class:`CheckpointCorruptError` on a mismatch).
 
 Raises: :class:`CheckpointError` (``elastic.errors``) for a state that does not fit shared memory (the
-message names the sizes) or checkpoint files none of which can be loaded.
+message names the sizes) or checkpoint files none of which can be loaded (a copy whose bytes fail its
+digest is skipped and reported, never loaded).
 
 Owns: the checkpoint file formats and layouts, and the environment a worker's checkpoint calls read
 (``env``). Importing this package imports no torch; the worker API below resolves on first use.
@@ -30,10 +34,25 @@ _LAZY_ATTRS: dict[str, str] = {
     "flash_enabled": "replicated",
     "LATEST_MARKER": "replicated",
     "CheckpointError": "replicated",
+    # Standard library and xxhash only: the agent calls them too.
+    "CheckpointCorruptError": "digest",
+    "digest_of": "digest",
+    "verify_file": "digest",
 }
-__all__ = ["LATEST_MARKER", "CheckpointError", "flash_enabled", "load", "load_latest", "save"]
+__all__ = [
+    "LATEST_MARKER",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "digest_of",
+    "flash_enabled",
+    "load",
+    "load_latest",
+    "save",
+    "verify_file",
+]
 
 if TYPE_CHECKING:
+    from elastic.checkpoint.digest import CheckpointCorruptError, digest_of, verify_file
     from elastic.checkpoint.replicated import (
         LATEST_MARKER,
         CheckpointError,

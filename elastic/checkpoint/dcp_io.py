@@ -17,6 +17,9 @@ from one save to the next (as :mod:`elastic.checkpoint.segments` does for replic
   file under a reader (the agent replicating or persisting it holds a shared ``flock``) is left alone
   and a new segment is made;
 * new pages are **pre-faulted** once (``MADV_POPULATE_WRITE``), so the copy takes no page faults;
+* each data file's digest (:mod:`elastic.checkpoint.digest`, xxh3_128) is computed as its bytes go in,
+  each write hashed right after its copy, and written beside it (``<file>.xxh3``,
+  :func:`elastic.checkpoint.shard_layout.check_file` checks it at restore);
 * CRC32 of the records is off while it writes (``torch.utils.serialization.config.save.compute_crc32``,
   torch's documented switch; ``torch.load`` does not check it): a CRC pass would cost 4x the copy.
 
@@ -247,6 +250,14 @@ class SegmentStream(io.RawIOBase):
     def __init__(self, pool: SegmentPool, segment: _Segment, recorder: Recorder | None = None) -> None:
         super().__init__()
         self.pool, self.segment, self.pos, self.recorder = pool, segment, 0, recorder
+        #: The file's digest (elastic.checkpoint.digest), fed each write's bytes right after their copy.
+        self.hasher = shard_layout.digest_hasher()
+
+    def _hash(self, start: int) -> None:
+        """Feed the bytes just written (``start`` to the position) to the digest, while still in cache."""
+        assert self.segment.mm is not None
+        with memoryview(self.segment.mm) as view:
+            self.hasher.update(view[start : self.pos])
 
     def writable(self) -> bool:
         return True
@@ -267,6 +278,7 @@ class SegmentStream(io.RawIOBase):
         else:
             assert self.segment.mm is not None
             self.segment.mm[self.pos : self.pos + n] = view
+            self.hasher.update(view)
             self.pos += n
         return n
 
@@ -285,6 +297,7 @@ class SegmentStream(io.RawIOBase):
         assert self.segment.mm is not None
         torch.frombuffer(self.segment.mm, dtype=torch.uint8, count=n, offset=self.pos).copy_(src)
         self.pos += n
+        self._hash(self.pos - n)
 
     def fileno(self) -> int:
         return self.segment.fd
@@ -317,6 +330,8 @@ class SegmentFS(FileSystem):
             fcntl.flock(segment.fd, fcntl.LOCK_UN)
             raise
         self.pool.finish(segment, stream.pos)
+        # The digest the restore checks this file against (shard_layout.check_file).
+        shard_layout.digest_path(path).write_text(stream.hasher.hexdigest())
 
 
 class SegmentWriter(FileSystemWriter):

@@ -4,10 +4,20 @@
 instead copies each tensor storage's bytes straight into a pre-faulted shared-memory segment, so the file is
 laid out for that copy::
 
-    offset 0     header (64 bytes): magic, version, step, total size, JSON size, data offset, content id
-    offset 64    JSON description: {"tree": ..., "storages": [...], "tensors": [...]}
-    data offset  storage bytes, each at a 64-byte aligned offset (data offset is page aligned)
+    offset 0     header (80 bytes): magic, version, step, total size, JSON size, data offset, content id,
+                 digest
+    offset 80    JSON description: {"tree": ..., "storages": [...], "tensors": [...]}
+    data offset  storage bytes, each at a 64-byte aligned offset (data offset is page aligned), the gaps
+                 between them zero-filled
     size - 16    the content id again (a trailer: a file cut short or mixed from two saves is rejected)
+
+**The digest** (version 2; :mod:`elastic.checkpoint.digest`): xxh3_128 of the header's first 48 bytes
+(all but the content id and the digest) and of every byte from the header's end to the trailer. A save
+computes it while it copies: each host storage's bytes right after their copy (still in cache), a device
+state's in the background thread once the staging copies are in the segment; it is written into the
+header before the commit. :func:`parse_flash` checks it before it builds a tensor
+(:class:`~elastic.checkpoint.digest.CheckpointCorruptError` on a mismatch) and still reads version-1 files
+(64-byte header, no digest: not verified).
 
 The tree is the state with every container tagged, so that nothing is lost that torch.save keeps:
 ``{"D": [[k, v], ...]}`` dict (any primitive keys, e.g. an optimizer's int keys), ``{"O": ...}``
@@ -29,8 +39,9 @@ writes). A save:
 2. takes a segment of the exact size from :class:`elastic.checkpoint.segments.SegmentPool` (recycled and
    already faulted in, except at the first save, which also pre-faults a second one: the double buffer);
 3. writes header and description, and copies each host storage's bytes into the mapping with
-   ``Tensor.copy_`` (torch's intra-op threads; no pickling of tensor data);
-4. commits by rename and reports (the ``on_commit`` callback), and the pool retires the surplus file.
+   ``Tensor.copy_`` (torch's intra-op threads; no pickling of tensor data), hashing each after its copy;
+4. writes the digest into the header, commits by rename and reports (the ``on_commit`` callback), and
+   the pool retires the surplus file.
 
 **Device storages** (GPU) are copied asynchronously: the save returns once the host storages are in the
 segment and the device copies are queued; a background thread waits for them, copies them from the staging
@@ -60,7 +71,6 @@ import io
 import json
 import logging
 import math
-import struct
 import threading
 import uuid
 import warnings
@@ -73,14 +83,16 @@ from typing import Any, Protocol
 import torch
 
 from elastic import errors
-from elastic.checkpoint import layout
+from elastic.checkpoint import digest, layout
 from elastic.checkpoint.segments import Acquired, Segment, SegmentPool
 
 # -- the format -------------------------------------------------------------------------------------
-MAGIC = b"\x89ELFLSH\n"
-VERSION = 1
-HEADER = struct.Struct("<8sIIQQQQ16s")  # magic, version, reserved, step, size, json size, data offset, id
-TRAILER_SIZE = 16
+MAGIC = digest.MAGIC
+VERSION = digest.VERSION
+#: magic, version, reserved, step, size, json size, data offset, content id, digest
+HEADER = digest.HEADER
+TRAILER_SIZE = digest.TRAILER_SIZE
+_DIGEST_AT = digest.HEADER_V1.size  # the digest's offset in the header
 STORAGE_ALIGN = 64  # a cache line: aligned copies in and out
 DATA_ALIGN = 4096  # a page: the tensor bytes never share a page with the header
 
@@ -115,6 +127,7 @@ class StorageSlot:
     offset: int
     nbytes: int
     source: torch.Tensor  # 1-D uint8 view of the whole storage, on the storage's device
+    end: int = 0  # where the next storage (or the trailer) starts: the bytes between are zero-filled
 
 
 @dataclass(frozen=True)
@@ -127,7 +140,9 @@ class Plan:
     storages: tuple[StorageSlot, ...]
 
     def header(self, step: int, content_id: bytes) -> bytes:
-        return HEADER.pack(MAGIC, VERSION, 0, step, self.size, len(self.meta), self.data_offset, content_id)
+        """The header, with a zero digest (:func:`write_digest` fills it in once the bytes are in)."""
+        meta, offset = len(self.meta), self.data_offset
+        return HEADER.pack(MAGIC, VERSION, 0, step, self.size, meta, offset, content_id, bytes(16))
 
 
 def new_content_id() -> bytes:
@@ -264,7 +279,8 @@ def plan(state: dict[str, Any]) -> Plan:
     for (offset, nbytes, _), (storage, _, location) in zip(records, describer.storages, strict=True):
         device = devices.get(location) or devices.setdefault(location, torch.device(location))
         source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-        slots.append(StorageSlot(data_offset + offset, nbytes, source))
+        start = data_offset + offset
+        slots.append(StorageSlot(start, nbytes, source, _align(start + nbytes, STORAGE_ALIGN)))
     return Plan(meta, data_offset, data_offset + position + TRAILER_SIZE, tuple(slots))
 
 
@@ -354,22 +370,13 @@ class _Decoder:
 
 
 def parse_flash(data: bytes | memoryview, map_location: MapLocation = None) -> tuple[dict[str, Any], int]:
-    """``(state, step)`` from the bytes of a flash file; ValueError for anything torn or malformed."""
-    if len(data) < HEADER.size + TRAILER_SIZE:
-        raise ValueError(f"a flash checkpoint of {len(data)} bytes is cut short")
-    magic, version, _, step, size, meta_size, data_offset, content_id = HEADER.unpack_from(data, 0)
-    if magic != MAGIC:
-        raise ValueError("not a flash checkpoint (bad magic)")
-    if version != VERSION:
-        raise ValueError(f"flash checkpoint version {version} is not supported (this reader: {VERSION})")
-    if size != len(data):
-        raise ValueError(f"torn flash checkpoint: {len(data)} bytes, the header says {size}")
-    if bytes(data[size - TRAILER_SIZE :]) != content_id:
-        raise ValueError("torn flash checkpoint: its trailer does not match its header")
-    if not HEADER.size + meta_size <= data_offset <= size - TRAILER_SIZE:
-        raise ValueError("bad flash checkpoint header (sizes out of range)")
+    """``(state, step)`` from the bytes of a flash file; ValueError for anything torn or malformed, and
+    :class:`~elastic.checkpoint.digest.CheckpointCorruptError` (a ValueError too) for bytes that do not
+    match the file's digest, checked before any tensor is built (a version-1 file has none)."""
+    header = digest.verify(data)
+    step, size, meta_size, data_offset = header.step, header.size, header.meta_size, header.data_offset
     try:
-        description = json.loads(bytes(data[HEADER.size : HEADER.size + meta_size]))
+        description = json.loads(bytes(data[header.end : header.end + meta_size]))
         storages = [(int(o), int(n), str(loc)) for o, n, loc in description["storages"]]
         for offset, nbytes, _ in storages:
             if offset < 0 or nbytes < 0 or data_offset + offset + nbytes > size - TRAILER_SIZE:
@@ -417,16 +424,56 @@ def parse_torch(data: bytes | memoryview, map_location: MapLocation) -> tuple[di
 
 
 def write_frame(buffer: Any, plan_: Plan, step: int, content_id: bytes) -> None:
-    """Write the header, description and trailer of ``plan_`` into ``buffer`` (writable, ``plan_.size``
-    bytes); the storages' bytes are the caller's to copy (at once from host memory, later from a device)."""
+    """Write the header (its digest zero), description, the zeros up to the data and the trailer of
+    ``plan_`` into ``buffer`` (writable, ``plan_.size`` bytes); the storages' bytes are the caller's to
+    copy (at once from host memory, later from a device), then :func:`seal` (or :func:`write_digest`)."""
     view = memoryview(buffer)
     try:
         header = plan_.header(step, content_id)
         view[: len(header)] = header
-        view[HEADER.size : HEADER.size + len(plan_.meta)] = plan_.meta
+        meta_end = HEADER.size + len(plan_.meta)
+        view[HEADER.size : meta_end] = plan_.meta
+        view[meta_end : plan_.data_offset] = bytes(plan_.data_offset - meta_end)  # a recycled segment's
         view[plan_.size - TRAILER_SIZE : plan_.size] = content_id
     finally:
         view.release()
+
+
+def frame_hasher(buffer: Any, plan_: Plan) -> Any:
+    """A digest hasher fed with the frame :func:`write_frame` wrote (header, description, padding); the
+    storages' bytes follow (:func:`hash_slot`, in file order)."""
+    hasher = digest.hasher()
+    with memoryview(buffer) as view:
+        hasher.update(view[: digest.DIGESTED_HEADER])
+        hasher.update(view[HEADER.size : plan_.data_offset])
+    return hasher
+
+
+def hash_slot(hasher: Any, buffer: Any, slot: StorageSlot) -> None:
+    """Zero the gap after ``slot``'s bytes (copied into ``buffer``) and feed them and the gap to
+    ``hasher``: right after the copy, while the bytes are still in the CPU's cache."""
+    end = slot.offset + slot.nbytes
+    with memoryview(buffer) as view:
+        if slot.end > end:
+            view[end : slot.end] = bytes(slot.end - end)
+        hasher.update(view[slot.offset : slot.end])
+
+
+def write_digest(buffer: Any, raw: bytes) -> None:
+    """Write the 16-byte digest into the header of the flash file in ``buffer``."""
+    with memoryview(buffer) as view:
+        view[_DIGEST_AT : _DIGEST_AT + digest.DIGEST_SIZE] = raw
+
+
+def seal(buffer: Any, plan_: Plan) -> bytes:
+    """Zero every gap between the storages of ``plan_`` in ``buffer``, then compute the digest of the
+    whole file and write it into the header (the device path, once every copy is in); returns it."""
+    hasher = frame_hasher(buffer, plan_)
+    for slot in plan_.storages:
+        hash_slot(hasher, buffer, slot)
+    raw: bytes = hasher.digest()
+    write_digest(buffer, raw)
+    return raw
 
 
 # -- device-to-host copies --------------------------------------------------------------------------
@@ -595,8 +642,15 @@ class FlashWriter:
                     copier = self._copier(slot.source.device)
                     (host_slots if copier is None else device_slots.setdefault(copier, [])).append(slot)
                 write_frame(buffer, frame, step, new_content_id())
+                # The digest as the bytes go in: host storages are hashed right after their copy, unless
+                # device storages come later (their background thread then hashes the file in order).
+                hasher = None if device_slots else frame_hasher(buffer, frame)
                 for slot in host_slots:
                     _destination(buffer, slot).copy_(slot.source)
+                    if hasher is not None:
+                        hash_slot(hasher, buffer, slot)
+                if hasher is not None:
+                    write_digest(buffer, hasher.digest())
                 pending = [
                     (copier.start([s.source for s in slots]), slots) for copier, slots in device_slots.items()
                 ]
@@ -609,7 +663,7 @@ class FlashWriter:
                 spare = None
                 self._background = threading.Thread(
                     target=self._finish,
-                    args=(segment, final, frame.size, pending, on_commit),
+                    args=(segment, final, frame, pending, on_commit),
                     name=f"elastic-flash-save-{step}",
                 )
                 self._background.start()
@@ -659,16 +713,18 @@ class FlashWriter:
         self,
         segment: Segment,
         final: Path,
-        size: int,
+        frame: Plan,
         pending: list[tuple[PendingCopy, list[StorageSlot]]],
         on_commit: Callable[[], None],
     ) -> None:
+        size = frame.size
         with self._lock:
             try:
                 assert segment.mm is not None
                 for copy, slots in pending:
                     for slot, host in zip(slots, copy.wait(), strict=True):
                         _destination(segment.mm, slot).copy_(host)
+                seal(segment.mm, frame)  # every storage is in: the digest, in file order
             except BaseException as exc:  # noqa: BLE001 - reported to the next save or wait()
                 log.error("flash save of %s failed in the background: %s", final.name, exc)
                 self._background_error = exc

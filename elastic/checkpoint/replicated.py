@@ -48,6 +48,7 @@ import torch
 
 from elastic import collectives, errors
 from elastic.checkpoint import flash, layout, segments
+from elastic.checkpoint.digest import CheckpointCorruptError
 from elastic.checkpoint.env import (
     CKPT_DIR_ENV,
     CKPT_RESET_ENV,
@@ -61,7 +62,7 @@ from elastic.checkpoint.env import (
     resolve_rank,
 )
 from elastic.contract import DEFAULT_CKPT_KEEP
-from elastic.report import report, report_checkpoint
+from elastic.report import report, report_checkpoint, report_corrupt
 
 LATEST_MARKER = layout.LATEST_MARKER
 
@@ -574,6 +575,12 @@ def read_valid(
             # Under a shared lock: the flash writer of a shared-memory folder never recycles it meanwhile.
             data = layout.read_shared(path)
             return data, parse(data)
+        except CheckpointCorruptError as exc:
+            # Bytes that changed after their save: never loaded, reported (the master's event
+            # checkpoint_corrupt), and the next copy is tried (a peer's, an older step's, the disk's).
+            log.error("skipping the checkpoint %s: it failed its digest check: %s", path, exc)
+            report_corrupt(layout.step_of(path.name) or 0, str(path))
+            errors.append(f"{path}: {exc}")
         except Exception as exc:  # noqa: BLE001 - any failure to read or parse means: try the next copy
             log.warning("skipping unreadable checkpoint %s: %s", path, exc)
             errors.append(f"{path}: {exc}")

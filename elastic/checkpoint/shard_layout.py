@@ -16,8 +16,11 @@ A commit renames the temp folder to its data folder, then replaces the ``step_<N
 step, and a crash at any point leaves the old or the new checkpoint visible, never none. The *save id*
 (16 hex digits, the same on every rank of one save) tells two saves of one step number apart.
 
-``hashes.json`` (replicas only): the sha256 of each file as its sender computed it, checked again at
-restore.
+``hashes.json`` (replicas): each file's digest as its receiving agent computed it (and its sender sent
+it). ``<file>.xxh3`` (a node's own memory saves): a data file's digest, computed by the rank that wrote it
+while writing it (:mod:`elastic.checkpoint.dcp_io`). Both are checked at restore (:func:`check_file`).
+The digest is :mod:`elastic.checkpoint.digest`'s xxh3_128, as 32 hex digits (:func:`digest_hasher`,
+:func:`file_digest`); 64 hex digits are the sha256 that agents of earlier versions recorded, still checked.
 """
 
 from __future__ import annotations
@@ -30,11 +33,16 @@ import re
 import secrets
 import shutil
 from pathlib import Path
+from typing import Any
+
+from elastic.checkpoint import digest
 
 SHARDED_SUBDIR = "sharded"
 REPLICAS_SUBDIR = "replicas"
 MANIFEST = "manifest.json"
 HASHES = "hashes.json"
+#: The suffix of a data file's digest file in a node's own memory save (``__0_0.distcp.xxh3``).
+DIGEST_SUFFIX = ".xxh3"
 METADATA = ".metadata"
 LATEST_MARKER = "latest"
 #: A worker's spare segment (elastic.checkpoint.dcp_io), ``.shard-segment.<pid>.<hex>``: never a
@@ -249,6 +257,51 @@ def tree_size(folder: Path) -> int:
             with contextlib.suppress(FileNotFoundError):
                 total += entry.stat(follow_symlinks=False).st_size
     return total
+
+
+def digest_hasher() -> Any:
+    """A new streaming hasher of the checkpoint digest (xxh3_128: ``update``, ``hexdigest``), as the
+    replication's sender and receiver compute it while the bytes stream (what ``hashes.json`` records)."""
+    return digest.hasher()
+
+
+def file_digest(path: Path) -> str:
+    """The digest of a file's bytes, as ``hashes.json`` records it (32 hex digits)."""
+    return digest.file_digest_raw(path).hex()
+
+
+def digest_path(path: Path) -> Path:
+    """Where the digest of a node's own data file ``path`` is kept (written at the save)."""
+    return path.with_name(path.name + DIGEST_SUFFIX)
+
+
+def recorded_digest(path: Path) -> str | None:
+    """The digest recorded for the file ``path`` of a sharded save: its folder's ``hashes.json`` entry (a
+    replica), else its ``.xxh3`` file (a node's own save); None when none is (disk, an older save).
+    ``""`` when ``hashes.json`` exists but lacks the file (a damaged record)."""
+    hashes = path.parent / HASHES
+    if hashes.exists():
+        try:
+            return str(json.loads(hashes.read_text())[path.name])
+        except (OSError, ValueError, KeyError, TypeError):
+            return ""
+    try:
+        return digest_path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def check_file(path: Path) -> str:
+    """'' when the file ``path`` of a sharded save matches its recorded digest (or none is recorded), else
+    one line naming the file and the mismatch."""
+    recorded = recorded_digest(path)
+    if recorded is None:
+        return ""
+    if not recorded:
+        return f"{path}: no recorded digest in {HASHES}"
+    if len(recorded) == 32:  # xxh3_128 as hex (hashes.json, .xxh3 files)
+        recorded = f"{digest.ALGORITHM}:{recorded}"
+    return digest.check_text(recorded, path)
 
 
 def sha256_file(path: Path) -> str:

@@ -16,7 +16,9 @@ finished everything before it.
 
 **The folder.** Where the node holds the chosen step whole, its own folder; else one it assembles
 (:func:`assemble`) from the files it holds and the files it lacks, received from ranks that hold them.
-Replicas are checked against the sha256 their sender sent.
+Every file read from memory is checked against its recorded digest first (a replica's ``hashes.json``, a
+node's own ``.xxh3`` files: :func:`elastic.checkpoint.shard_layout.check_file`); a damaged one is
+reported and left out (:class:`DamagedShardsError`), and the restore chooses again.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic import collectives
+from elastic import collectives, errors
 from elastic.checkpoint import shard_layout as sl
+from elastic.checkpoint.digest import CheckpointCorruptError
 from elastic.checkpoint.env import CheckpointError
+from elastic.report import report_corrupt
 
 
 # -- which step -------------------------------------------------------------------------------------
@@ -249,6 +253,21 @@ def run_transfers(
 # -- the folder dcp.load reads ----------------------------------------------------------------------
 log = logging.getLogger(__name__)
 
+
+class DamagedShardsError(CheckpointCorruptError):
+    """Files of the chosen sharded step failed their digest check (on this rank: :attr:`bad`, path -> why;
+    empty when they were on another rank). Every rank raises it together; the restore leaves the damaged
+    files out and chooses again (another holder's copy, or an older step)."""
+
+    def __init__(self, step: int, bad: dict[Path, str]) -> None:
+        self.step, self.bad = step, bad
+        why = "; ".join(bad.values()) or "on another node"
+        errors.CheckpointError.__init__(
+            self, f"a file of the sharded checkpoint of step {step} is damaged: {why}"
+        )
+        self.what, self.recorded, self.computed = why, "", ""
+
+
 _RESTORE_SUBDIR = "restore"
 
 
@@ -267,7 +286,8 @@ def assemble(
     A node that holds the whole step in one folder reads it there. Any other node assembles, in a folder
     of its own, links to the files it holds and the files it lacks, received from a rank that holds
     each, but only the files its ranks' load plans read (:func:`files_read`). Every rank
-    calls it (collectives); replicas are checked against their sha256 where read or sent.
+    calls it (collectives); files are checked against their recorded digest where read or sent
+    (:class:`DamagedShardsError` on every rank when one fails).
     """
     lists = collectives.gather_ints(encode({(step, save_id): mine}), world)
     holders: dict[int, list[int]] = {}
@@ -316,12 +336,14 @@ def assemble(
     node_reads = needs.get(rank, ()) if writer_of[rank] == rank else ()
     checked = {names[f] for f in node_reads if names[f] in mine}
     checked |= {names[t.file] for t in transfers if t.src == rank}
-    bad = [why for n in sorted(checked) if (why := _verify_replica(mine[n]))]
+    bad = {mine[n]: why for n in sorted(checked) if (why := sl.check_file(mine[n]))}
     if collectives.any_rank(bool(bad), world):
         if writes:
             shutil.rmtree(target, ignore_errors=True)
-        why = "; ".join(bad or ["on another node"])
-        raise CheckpointError(f"a replica of the sharded checkpoint of step {step} is damaged: {why}")
+        for path, why in bad.items():
+            log.error("a file of the sharded checkpoint of step %d failed its digest check: %s", step, why)
+            report_corrupt(step, str(path))
+        raise DamagedShardsError(step, bad)
     if writes:
         for fid in sorted(needs.get(rank, ())):
             if names[fid] in mine:
@@ -346,21 +368,6 @@ def _link_or_copy(source: Path, dest: Path) -> None:
         os.link(source, dest)
     except OSError:
         shutil.copyfile(source, dest)
-
-
-def _verify_replica(path: Path) -> str:
-    """'' when ``path`` (a replica's file) matches the sha256 its sender sent, else why not."""
-    hashes_file = path.parent / sl.HASHES
-    if not hashes_file.exists():
-        return ""  # not a replica (own memory or disk)
-    try:
-        expected = json.loads(hashes_file.read_text())[path.name]
-    except (OSError, ValueError, KeyError):
-        return f"{path}: no recorded hash"
-    actual = sl.sha256_file(path)
-    if actual == expected:
-        return ""
-    return f"{path}: sha256 {actual[:12]}... differs from the sent {expected[:12]}..."
 
 
 def reader(path: Path, shm: Path | None) -> Any:

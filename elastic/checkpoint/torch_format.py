@@ -49,13 +49,14 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from elastic import errors
+from elastic.checkpoint import digest
 
-# -- the flash file's frame (elastic.checkpoint.flash; a unit test keeps these equal to its own) ------
-FLASH_MAGIC = b"\x89ELFLSH\n"
-FLASH_VERSION = 1
-#: magic, version, reserved, step, size, json size, data offset, content id
-FLASH_HEADER = struct.Struct("<8sIIQQQQ16s")
-FLASH_TRAILER_SIZE = 16
+# -- the flash file's frame (elastic.checkpoint.digest reads it; flash writes it) --------------------
+FLASH_MAGIC = digest.MAGIC
+FLASH_VERSION = digest.VERSION
+#: magic, version, reserved, step, size, json size, data offset, content id, digest (version 2)
+FLASH_HEADER = digest.HEADER
+FLASH_TRAILER_SIZE = digest.TRAILER_SIZE
 
 STORAGE_ALIGN = 64  # torch's default ``storage_alignment``
 _ARCHIVE = "archive"
@@ -104,19 +105,18 @@ def read_frame(src: BinaryIO) -> FlashFrame:
     actual = src.tell()
     src.seek(0)
     head = src.read(FLASH_HEADER.size)
-    if len(head) < FLASH_HEADER.size or actual < FLASH_HEADER.size + FLASH_TRAILER_SIZE:
-        raise NotConvertible("a flash checkpoint cut short")
-    magic, version, _, step, size, meta_size, data_offset, content_id = FLASH_HEADER.unpack(head)
-    if magic != FLASH_MAGIC:
+    if not is_flash(head):
         raise NotConvertible("not a flash checkpoint")
-    if version != FLASH_VERSION:
-        raise NotConvertible(f"flash checkpoint version {version} (this writer knows {FLASH_VERSION})")
-    if size != actual or not FLASH_HEADER.size + meta_size <= data_offset <= size - FLASH_TRAILER_SIZE:
-        raise NotConvertible("a torn flash checkpoint (its sizes do not match)")
+    try:
+        header = digest.read_header(head, actual)  # version 1 or 2 (the digest is persist's to check)
+    except ValueError as exc:
+        text = str(exc)
+        raise NotConvertible(text if "version" in text else f"a torn flash checkpoint ({text})") from None
+    step, size, meta_size, data_offset = header.step, header.size, header.meta_size, header.data_offset
     src.seek(size - FLASH_TRAILER_SIZE)
-    if src.read(FLASH_TRAILER_SIZE) != content_id:
+    if src.read(FLASH_TRAILER_SIZE) != header.content_id:
         raise NotConvertible("a torn flash checkpoint (its trailer does not match its header)")
-    src.seek(FLASH_HEADER.size)
+    src.seek(header.end)
     try:
         description = json.loads(src.read(meta_size))
     except ValueError as exc:

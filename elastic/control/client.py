@@ -34,6 +34,7 @@ from elastic.control.error_table import (
     MasterRejectedError,
     MasterTLSError,
     MasterUnreachableError,
+    NotAMasterError,
 )
 from elastic.control.protocol import (
     API_PREFIX,
@@ -68,6 +69,7 @@ __all__ = [
     "MasterRejectedError",
     "MasterTLSError",
     "MasterUnreachableError",
+    "NotAMasterError",
     "parse_addresses",
 ]
 
@@ -257,6 +259,12 @@ class MasterClient:
             if streams is not None:
                 streams.stream_lacking_again(index)  # the master there may be a newer one next time
             raise
+        kind = response.headers.get("content-type", "")
+        if "json" not in kind and response.status_code < 500:
+            # Every answer of a master's /v1 API is JSON (its 5xx may not be: retried, as a proxy's would
+            # be). A web page, or anything else, is another service at this address: most often a
+            # mistyped --master, which retrying until --master-timeout would only hide.
+            raise NotAMasterError(self.addresses[index], response.status_code, kind)
         return response.status_code, response.content
 
     def _tls_failure(self, exc: Exception, address: str, timeout: float) -> str | None:

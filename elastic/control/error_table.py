@@ -105,6 +105,16 @@ class MasterTLSError(MasterError):
     --tls-ca, or one side speaks https and the other plain http. Final: a configuration error."""
 
 
+class NotAMasterError(MasterError):
+    """An address answers HTTP, but not as an elastic-master does (no JSON answer): a mistyped --master, or
+    another service on that port. Final: a usage error (exit 2), never retried, never hosted over."""
+
+    def __init__(self, address: str, status: int, content_type: str) -> None:
+        self.address, self.status = address, status
+        self.content_type = content_type.split(";")[0].strip() or "no content type"
+        super().__init__(f"{address} is not an elastic-master (HTTP {status}, {self.content_type})")
+
+
 class MasterRejectedError(MasterError):
     """The master answered with an error status."""
 

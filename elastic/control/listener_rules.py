@@ -34,12 +34,19 @@ __all__ = [
     "MASTER_METRICS",
     "REPLICATION",
     "TCPSTORE",
+    "UNAUTHENTICATED",
     "Auth",
     "Listener",
     "ListenerRuleError",
     "check_listener",
     "is_loopback_host",
 ]
+
+
+#: How the start lines, ``elastic-master status`` and docs/security.md name a job whose master runs with no
+#: token: torchrun's rendezvous spelling (``--rdzv-endpoint`` with c10d, ``--master-addr``, a platform's
+#: variables) off loopback and no token file: that spelling is the operator's opt-in (docs/security.md).
+UNAUTHENTICATED = "unauthenticated (c10d, no token)"
 
 
 class ListenerRuleError(errors.UsageError, ValueError):

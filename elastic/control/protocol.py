@@ -253,6 +253,33 @@ class JoinReply(_Reply):
     )
 
 
+class RoundOpening(_Reply):
+    """Why the master opened a round, for the one line an agent prints when it restarts its workers for it
+    (``restarting workers (attempt 2 of 3 restarts): ...``, ``new round 4: ... (membership change, not
+    charged)``). Sent with the round's assignment and with the waiting replies while the round forms;
+    absent for a job's first round and from older masters."""
+
+    round: int = Field(description="The round it opened.")
+    cause: str = Field(
+        default="",
+        description="worker_failure, hang, node_loss or scale_up (the cause of the master's round_opened "
+        "event); '' for another reason (a node check done).",
+    )
+    why: str = Field(
+        default="",
+        max_length=512,
+        description="What happened, in a few words: 'rank 1 (local rank 0 on node n-b) failed with signal "
+        "SIGKILL', 'admitting waiting nodes n-c'.",
+    )
+    charged: bool = Field(
+        default=False,
+        description="Charged against --max-restarts (a worker failure or hang); a membership change is "
+        "free, and so is a failure that followed a lost node.",
+    )
+    restart_count: int = Field(default=0, description="Restarts spent, this one included.")
+    max_restarts: int = Field(default=0, description="The job's --max-restarts.")
+
+
 class Assignment(_Reply):
     """A node's place in a closed rendezvous round."""
 
@@ -293,6 +320,9 @@ class Assignment(_Reply):
         "--ckpt-dir's fence, so that a resubmitted job's persists supersede the earlier submission's "
         "whatever the round numbers. Empty from older masters.",
     )
+    opening: RoundOpening | None = Field(
+        default=None, description="Why the master opened this round; None for the first round."
+    )
 
 
 class Outcome(_Reply):
@@ -310,6 +340,49 @@ class RoundReply(_Reply):
     assignment: Assignment | None = None
     outcome: Outcome | None = None
     round: int = Field(description="The master's current round number.")
+    # How the rendezvous stands, in a ``waiting`` reply (None from older masters): the agent's waiting line,
+    # ``round 3: 2 of 3 nodes joined (min 2, max 4); last call ends in 1.4 s``. O(1) for the master to fill.
+    joined: int | None = Field(
+        default=None, description="Nodes that joined and wait for the next round (this node included)."
+    )
+    min_nodes: int | None = Field(default=None, description="The job's minimum number of nodes.")
+    max_nodes: int | None = Field(default=None, description="The job's maximum number of nodes.")
+    expected_back: int | None = Field(
+        default=None,
+        description="Members of the previous round that the forming round waits for (not rejoined yet).",
+    )
+    running_nodes: int | None = Field(
+        default=None,
+        description="Members of the round that runs without this node (a spare, or a node waiting for the "
+        "world to grow); None while a round forms.",
+    )
+    last_call_ends_in_s: float | None = Field(
+        default=None,
+        description="Seconds until the last call ends: the round then closes (or the running one grows) "
+        "with the nodes that joined; None when no last call runs.",
+    )
+    opening: RoundOpening | None = Field(
+        default=None, description="Why the master opened the forming round; None for the first round."
+    )
+
+
+class CheckpointCorruption(_Model):
+    """A copy of a checkpoint whose bytes failed their digest check (elastic.checkpoint.digest): found by a
+    worker's restore (which went on with another copy) or by the agent before a persist (not persisted)."""
+
+    id: str = Field(
+        max_length=64,
+        description="Unique per report of one agent: the master records each id once, however often the "
+        "agent sends it (it sends a report until a heartbeat that carried it is answered).",
+    )
+    step: int = Field(ge=0, description="The checkpoint's step.")
+    file: str = Field(default="", max_length=1024, description="The damaged copy (on that node).")
+    found_by: str = Field(default="", max_length=32, description="'restore' or 'persist'.")
+    detail: str = Field(default="", max_length=1024, description="The mismatch, or who found it.")
+
+
+#: Corruption reports one heartbeat carries at most (the agent keeps the newest).
+CORRUPTIONS_MAX = 16
 
 
 class HeartbeatRequest(_Model):
@@ -355,6 +428,13 @@ class HeartbeatRequest(_Model):
         default=None, description="Newest sharded save's step minus the replicated step (None: off)."
     )
     replication_error: str = Field(default="", max_length=PERSIST_ERROR_MAX)
+    ckpt_corrupt: list[CheckpointCorruption] = Field(
+        default_factory=list,
+        max_length=CORRUPTIONS_MAX,
+        description="Checkpoint copies on this node found damaged (their digest did not match) and not yet "
+        "acknowledged by an answered heartbeat; sent only when there are some (soft state; the master "
+        "records event checkpoint_corrupt once per id).",
+    )
 
 
 class CommandReply(_Reply):
@@ -367,6 +447,16 @@ class CommandReply(_Reply):
         default_factory=list,
         description="HOST:PORT of the replication listeners of this node's ring successors "
         "('' where not known yet); soft state.",
+    )
+    peer_keys: list[str] = Field(
+        default_factory=list,
+        description="For each of ``peers``, the pair key (hex) with which this node proves itself to that "
+        "successor and MACs what it pushes there (agent.checkpoints.replication_wire).",
+    )
+    replication_key: str = Field(
+        default="",
+        description="This node's receiver key (hex): its replication listener derives from it the pair key "
+        "of any node that pushes to it. Empty from a master that hands out no keys.",
     )
 
 

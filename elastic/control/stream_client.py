@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 #: Longest reply line accepted from a master (its replies are a few KiB): beyond, the master broke the
 #: protocol and the connection is closed rather than buffered without end.
 MAX_REPLY_BYTES = 16 * 1024 * 1024
+#: The longest wait before a heartbeat that a shed heartbeat's ``retry_after_s`` is obeyed for (the master
+#: asks for at most half its heartbeat timeout); a longer one is ignored.
+MAX_BACKOFF_S = 60.0
 
 
 class StreamFrameTooLarge(StreamError):
@@ -106,6 +109,8 @@ class StreamConnection:
         self._error: StreamLost | None = None  # set once the connection is over
         self._ending: str | None = None  # why this side ends it (close, a failed send)
         self._sock_closed = False
+        #: No heartbeat before this time (monotonic): an overloaded master's ``retry_after_s`` (see call()).
+        self._beat_after = float("-inf")
         self._reader = threading.Thread(
             target=self._read, args=(leftover,), name=f"master-stream {address}", daemon=True
         )
@@ -144,6 +149,8 @@ class StreamConnection:
         """Send one call and wait at most ``timeout`` seconds for its reply: ``(status, body)``, the body
         decoded from JSON. Raises :class:`StreamTimeout` (the connection stays), :class:`StreamLost` (it is
         over), :class:`StreamFrameTooLarge` (nothing sent)."""
+        if op == "heartbeat":
+            self._back_off(timeout)
         waiter = _Waiter()
         with self._lock:
             self._raise_if_over()
@@ -170,7 +177,18 @@ class StreamConnection:
         reply = waiter.reply
         if reply is None:  # cannot happen: done without an error means the reader set the reply
             raise StreamLost(f"the stream to the master at {self.address} lost a reply")
+        if op == "heartbeat" and reply[0] == 429 and isinstance(reply[1], dict):
+            wait = reply[1].get("retry_after_s")
+            if isinstance(wait, (int, float)) and 0 < wait <= MAX_BACKOFF_S:
+                self._beat_after = time.monotonic() + float(wait)
         return reply
+
+    def _back_off(self, timeout: float) -> None:
+        """An overloaded master shed this agent's last heartbeat and asked it to wait ``retry_after_s``
+        (master.service.overload) before the next: wait what is left of that (at most ``timeout``)."""
+        left = self._beat_after - time.monotonic()
+        if left > 0:
+            time.sleep(min(left, timeout))
 
     def close(self) -> None:
         """Close the connection: pending calls fail with :class:`StreamLost`; returns once the reader

@@ -139,6 +139,8 @@ class AgentLink:
             with self._cond:
                 self._resume = message
                 self._cond.notify_all()
+        elif message["op"] == wire.ERROR:  # the agent closes the connection next
+            log.warning("the agent refused a message of this worker: %r", message["error"])
 
     def _release_if_stuck(self) -> None:
         grace = self.leave_grace_s()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import sys
+import time
 from collections.abc import Callable
 
 import click
@@ -12,7 +15,7 @@ from elastic import errors
 from elastic.control import job_settings as ms
 from elastic.control.auth import TokenError, job_token
 from elastic.control.cli_options import job_policy_options, job_settings_from
-from elastic.control.listener_rules import MASTER_API, Auth, check_listener
+from elastic.control.listener_rules import MASTER_API, UNAUTHENTICATED, Auth, check_listener
 from elastic.control.tls import (
     TLS_CA_ENV,
     TLS_CERT_ENV,
@@ -21,6 +24,7 @@ from elastic.control.tls import (
     client_context,
     server_context,
 )
+from elastic.text import LOG_FORMATS, configure_logging, reconfigure_logging
 from master.cli.options import (
     bind_metrics,
     connection_options,
@@ -34,9 +38,16 @@ log = logging.getLogger(__name__)
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
+#: The node field of the master's log lines.
+MASTER_NODE = "master"
+#: Default ``--bind-timeout``: long enough for a convenience master's job, or a step-down, to end.
+DEFAULT_BIND_TIMEOUT_S = 30.0
+#: Seconds between two binds of a port in use.
+BIND_RETRY_S = 0.5
+
 
 class _BadFileError(click.ClickException, errors.UsageError):
-    """A bad file on the command line: exit 2, like a bad flag, with no usage line."""
+    """A bad file or address on the command line: exit 2, like a bad flag, with no usage line."""
 
     exit_code = 2
 
@@ -125,8 +136,33 @@ def _check_tls(cert: str | None, key: str | None) -> None:
     default=None,
     help=f"The certificate's PEM private key (unencrypted). Default: {TLS_KEY_ENV}.",
 )
+@click.option(
+    "--exit-on-job-end",
+    is_flag=True,
+    help="Stop serving once the job ended and its agents learned it, and exit with the job's code: 0 only "
+    "when it succeeded and its newest checkpoint step is durable, 1 when retryable (or not durable), 3 when "
+    "failed for good (docs/cli.md, Exit codes). For a master per job (a Kubernetes Job, a SLURM step).",
+)
+@click.option(
+    "--bind-timeout",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_BIND_TIMEOUT_S,
+    show_default=True,
+    help="Seconds to retry binding --host:--port while another process holds it (an elastic-run agent's "
+    "convenience master of this job, a master stepping down), one line saying so; then exit 1.",
+)
 @observability_options
 @connection_options
+@click.option(
+    "--log-format",
+    type=click.Choice(LOG_FORMATS),
+    default="text",
+    show_default=True,
+    help="Log lines: text (TIME LEVEL master [LOGGER] MESSAGE, TIME in ISO 8601 UTC) or json (one object a "
+    "line: time, level, node, logger, message, exc_info).",
+)
+# The installed distribution's version (importlib.metadata), looked up only when asked for.
+@click.version_option(package_name="elastic-run", prog_name="elastic-master", message="%(prog)s %(version)s")
 @click.pass_context
 def cli(ctx: click.Context, **opts) -> None:
     """Serve one elastic job: rendezvous rounds, heartbeats, failure verdicts.
@@ -135,6 +171,7 @@ def cli(ctx: click.Context, **opts) -> None:
     Example:
       elastic-master --port 29400 --job-id j1 --nnodes 2:4 --token-file tok
     """
+    reconfigure_logging(MASTER_NODE, opts["log_format"])
     if ctx.invoked_subcommand is not None:
         return
     if not opts["job_id"]:
@@ -177,6 +214,7 @@ def cli(ctx: click.Context, **opts) -> None:
         store_url=opts["store_url"],
         tls_cert=opts["tls_cert"],
         tls_key=opts["tls_key"],
+        exit_on_job_end=opts["exit_on_job_end"],
     )
     settings = connection_settings(observability_settings(settings, opts), opts)
     try:
@@ -189,21 +227,42 @@ def cli(ctx: click.Context, **opts) -> None:
         raise click.ClickException(str(exc)) from None
     for warning in check_listener(MASTER_API, settings.host, auth=Auth.SECRET, tls=bool(settings.tls_cert)):
         log.warning("%s", warning)  # the master always has a secret token: only warnings, never a refusal
-    try:
-        sock = bind_socket(settings.host, settings.port)
-    except OSError as exc:
-        raise click.ClickException(
-            f"cannot listen on {settings.host}:{settings.port}: {exc.strerror}"
-        ) from None
+    sock = _bind(settings.host, settings.port, opts["bind_timeout"], bind_socket)
     host, port = sock.getsockname()[:2]
     # The plain line is unchanged (scripts and tests match it to its end); TLS adds a suffix.
     log.info("listening on %s:%d%s", host, port, " (https)" if settings.tls_cert else "")
     settings, metrics_sock = bind_metrics(settings, opts["metrics_port"], bind_socket)
     store = open_store(settings.store_url, job.job_id, password=password)
     try:
-        serve_forever(settings, sock, store, metrics_sock, tick_fault_s=tick_fault_s)
+        code = serve_forever(settings, sock, store, metrics_sock, tick_fault_s=tick_fault_s)
     except MasterFailure as exc:  # it resigned already: a standby or the process supervisor takes over
         raise click.ClickException(str(exc)) from None
+    if code is not None:  # --exit-on-job-end: the job's code (master.service.service.end_code)
+        ctx.exit(code)
+
+
+def _bind(host: str, port: int, timeout_s: float, bind: Callable[[str, int], socket.socket]) -> socket.socket:
+    """Bind the API's listener. A port in use is retried for ``timeout_s`` (``--bind-timeout``), with one
+    line at the first refusal: on a node where an agent hosts this job's master in convenience mode (or a
+    master steps down) the port frees when that master stops; who bound first wins. Then exit 1."""
+    deadline = time.monotonic() + timeout_s
+    said = False
+    while True:
+        try:
+            return bind(host, port)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+            if not said:
+                log.warning(
+                    "%s:%d is in use (an elastic-run agent's convenience master of this job, a master "
+                    "stepping down, or another service): retrying for up to %gs (--bind-timeout)",
+                    host,
+                    port,
+                    timeout_s,
+                )
+                said = True
+            time.sleep(BIND_RETRY_S)  # a bind has nothing to wait on: the holder frees it when it exits
 
 
 def client_options(command: Callable) -> Callable:
@@ -271,10 +330,17 @@ def status(
     try:
         job = client.status()
     except MasterError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _master_error(exc) from None
     finally:
         client.close()
-    click.echo(job.model_dump_json(indent=2) if as_json else render_status(job))
+    if as_json:
+        click.echo(job.model_dump_json(indent=2))
+        return
+    if job_token(token_file, warn_loose=False) is None:  # the master took the token anyone can derive
+        click.echo(
+            f"auth: {UNAUTHENTICATED}: anyone who reaches the master controls the job (docs/security.md)"
+        )
+    click.echo(render_status(job))
 
 
 @cli.command()
@@ -289,10 +355,18 @@ def readmit(node_id: str, master: str, job_id: str, token_file: str | None, tls_
     try:
         reply = client.readmit(node_id)
     except MasterError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _master_error(exc) from None
     finally:
         client.close()
     click.echo(reply.message)
+
+
+def _master_error(exc: Exception) -> click.ClickException:
+    """A failed call to the master as one line: exit 2 when the address is no elastic-master (fix the
+    command), else 1."""
+    from elastic.control.error_table import NotAMasterError
+
+    return _BadFileError(str(exc)) if isinstance(exc, NotAMasterError) else click.ClickException(str(exc))
 
 
 def _client(master: str, job_id: str, token_file: str | None, tls_ca: str | None):
@@ -326,15 +400,14 @@ def _watch(client, interval: float) -> None:
         client.status()  # a wrong token or job id is one line and exit 1, not a view that says so forever
         watch(client.status, interval, console, errors=(MasterError,))  # later: shown in the view, retried
     except MasterError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise _master_error(exc) from None
     finally:
         client.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: one-line errors, exit 2 for bad input."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    configure_logging(MASTER_NODE)  # until the options say otherwise (cli)
     try:
         code = cli.main(args=argv, prog_name="elastic-master", standalone_mode=False)
     except click.UsageError as exc:

@@ -20,6 +20,7 @@ from elastic.control.listener_rules import MASTER_METRICS, Auth, check_listener
 from master.service.event_log import DEFAULT_BACKUPS, DEFAULT_MAX_BYTES
 from master.service.settings import (
     DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_UNAUTHENTICATED,
     DEFAULT_UNAUTHENTICATED_PER_ADDRESS,
     ServerSettings,
 )
@@ -29,7 +30,8 @@ log = logging.getLogger(__name__)
 
 
 def connection_options(command: Callable) -> Callable:
-    """Add ``--max-connections``, ``--header-timeout`` and ``--max-unauthenticated-per-address``."""
+    """Add ``--max-connections``, ``--header-timeout``, ``--max-unauthenticated-per-address`` and
+    ``--max-unauthenticated``."""
     options = [
         click.option(
             "--max-connections",
@@ -57,6 +59,14 @@ def connection_options(command: Callable) -> Callable:
             "is answered 503 busy. Agents behind one NAT share an address: each connection counts only "
             "until its stream is open (docs/security.md).",
         ),
+        click.option(
+            "--max-unauthenticated",
+            type=click.IntRange(min=1),
+            default=DEFAULT_MAX_UNAUTHENTICATED,
+            show_default=True,
+            help="Connections from all addresses together that have not presented the job's token yet; a "
+            "new one beyond it closes the oldest of them (docs/security.md).",
+        ),
     ]
     for option in reversed(options):
         command = option(command)
@@ -70,6 +80,7 @@ def connection_settings(settings: ServerSettings, opts: dict) -> ServerSettings:
         max_connections=opts["max_connections"],
         header_timeout_s=opts["header_timeout"],
         unauthenticated_per_address=opts["max_unauthenticated_per_address"],
+        max_unauthenticated=opts["max_unauthenticated"],
     )
 
 
@@ -193,6 +204,7 @@ def open_store(url: str, job_id: str, *, password: str | None = None) -> StateSt
 
 def check_store(url: str, job_id: str, *, password: str | None = None) -> None:
     """Fail fast, with one line, when the store at ``url`` is unreachable or refuses us (before serving)."""
+
     async def probe() -> None:
         store = open_store(url, job_id, password=password)
         try:

@@ -101,7 +101,6 @@ def _excluded(node: NodeStatus) -> str:
     )
 
 
-
 def _step_time(node: NodeStatus) -> str:
     """Seconds per step; with the compute time (elastic.track_ddp) in parentheses when reported."""
     if node.step_time_s is None:
@@ -123,6 +122,7 @@ def _flags(node: NodeStatus) -> str:
     if verdict and verdict != "ok":
         flags.append(f"check-{verdict}")
     return ",".join(flags)
+
 
 #: Events the view lists (the newest).
 EVENTS_SHOWN = 8

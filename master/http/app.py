@@ -233,6 +233,22 @@ def create_app(service: MasterService) -> FastAPI:
         reply = ReadmitReply(node_id=node_id, message=f"node {node_id} re-admitted")
         return await api_ops.stored(service, reply)
 
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> Response:
+        """Liveness, for probes: 200 while this process serves (a failed master exits), else 503. No token
+        and no job data (docs/security.md)."""
+        alive = service.failure is None
+        return Response(b"ok\n" if alive else b"failed\n", 200 if alive else 503, media_type="text/plain")
+
+    @app.get("/readyz", include_in_schema=False)
+    async def readyz() -> Response:
+        """Readiness, for probes: 200 when this master leads the job or stands by ready to take over
+        (:meth:`MasterService.ready`), else 503. No token and no job data (docs/security.md)."""
+        ready = service.ready()
+        return Response(
+            b"ready\n" if ready else b"not ready\n", 200 if ready else 503, media_type="text/plain"
+        )
+
     # Wrong tokens per address, counted alike by the gate, the stream, /metrics and /ui/login.
     failures = PeerFailureLimiter()
     add_metrics_route(app, service, failures)  # GET /metrics, behind the token (master/http/metrics.py)

@@ -10,6 +10,10 @@
   :data:`DEFAULT_UNAUTHENTICATED_PER_ADDRESS`): one more from an address that holds that many is answered
   ``503 busy``. Authenticated connections (an agent's stream, a request with the job's token, a signed-in
   status page) are never counted per address: many agents behind one NAT share an address.
+- A cap on unauthenticated connections from all addresses together (``--max-unauthenticated``, default
+  :data:`DEFAULT_MAX_UNAUTHENTICATED`): a new connection beyond it closes the oldest of them, as at the
+  connection cap. What connections without the token cost the master is bounded by it, however many
+  addresses they come from (an IPv6 prefix is billions); authenticated connections are never counted.
 - Deadlines (kept by master.http.connection): every request head must be complete within
   ``header_timeout_s`` of its first byte (of the connection's opening, for the first request), and every
   request body within ``header_timeout_s`` of its head; a connection that misses one is closed. Between two
@@ -31,6 +35,7 @@ import asyncio
 import errno
 import logging
 import resource
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,7 +43,11 @@ from typing import Any, Protocol
 from elastic.control.error_table import ErrorCode
 from elastic.control.protocol import ErrorBody
 from master.http.rate_limits import LogLimiter
-from master.service.settings import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_UNAUTHENTICATED_PER_ADDRESS
+from master.service.settings import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_UNAUTHENTICATED,
+    DEFAULT_UNAUTHENTICATED_PER_ADDRESS,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +74,22 @@ DOCS_HINT = "docs/operations.md, 'Open files and connections'"
 #: The request scope's key whose value, called, marks the request's connection authenticated
 #: (:func:`mark_authenticated`); set by master.http.connection.
 AUTHENTICATED_SCOPE_KEY = "elastic.authenticated"
+
+
+def release_transport(transport: asyncio.BaseTransport | None) -> None:
+    """Break the reference cycle a closed asyncio socket transport keeps with itself before Python 3.12
+    (CPython gh-100348: it stores its own bound read callback, ``_read_ready_cb``; 3.12's ``close()`` drops
+    it). Called from a protocol's ``connection_lost``, after which the transport reads nothing more.
+
+    Why it matters here: a connection lives seconds, so its transport is in the oldest generation by the
+    time it closes, and the daemon collects that generation only every 10 minutes
+    (master.service.gc_pacing). A flood of short connections (20,000 slots reconnecting for a minute) left
+    every transport it ever had, ~2.5 KiB each with its socket and dicts, until then: most of the master's
+    RSS growth under bench/slow_clients.py. Freed by reference counting now."""
+    # The one private attribute this project touches: CPython's own, probed first, so that where it is gone
+    # (3.12+, or another event loop) this is a no-op; tests/integration/test_conn_guard.py measures it.
+    if sys.version_info < (3, 12) and getattr(transport, "_read_ready_cb", None) is not None:
+        transport._read_ready_cb = None  # type: ignore[union-attr]  # probed just above
 
 
 def mark_authenticated(scope: Any) -> None:
@@ -166,15 +191,17 @@ class GuardedConnection(Protocol):
 class ConnectionGuard:
     """The state shared by a server's connections: the connections served now (under the cap), the
     deadlines' length, and the connections not authenticated yet, oldest first, with their count per
-    address."""
+    address (at most ``per_address``) and in all (at most ``max_unauthenticated``)."""
 
     def __init__(
         self,
         cap: int,
         header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
         per_address: int = DEFAULT_UNAUTHENTICATED_PER_ADDRESS,
+        max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
     ) -> None:
         self.cap, self.header_timeout_s, self.per_address = cap, header_timeout_s, per_address
+        self.max_unauthenticated = max_unauthenticated
         #: Every connection served now, an agent stream included (the server shuts each down).
         self.connections: set[GuardedConnection] = set()
         #: Connections that have not presented a valid token, oldest first, with their peer's address.
@@ -202,9 +229,9 @@ class ConnectionGuard:
 
     def admit(self, connection: GuardedConnection, peer: str = "") -> bool:
         """Whether a new connection from address ``peer`` may be served: its address holds fewer than
-        ``per_address`` unauthenticated connections, and the server is under the cap or the oldest
-        unauthenticated connection is closed to make room. Otherwise it is to be answered 503 ``busy``
-        (:meth:`refuse`)."""
+        ``per_address`` unauthenticated connections, and the server is under the cap and under
+        ``max_unauthenticated``, or the oldest unauthenticated connection is closed to make room. Otherwise
+        it is to be answered 503 ``busy`` (:meth:`refuse`)."""
         if self._by_address.get(peer, 0) >= self.per_address:
             self.closed["refused"] += 1
             self._note(
@@ -212,14 +239,15 @@ class ConnectionGuard:
                 "unauthenticated connections (--max-unauthenticated-per-address)"
             )
             return False
+        if len(self._unauthenticated) >= self.max_unauthenticated:
+            self._evict_oldest(
+                f"{self.max_unauthenticated} connections had presented no valid token (--max-unauthenticated)"
+            )
+            return True
         if len(self.connections) < self.cap:
             return True
         if self._unauthenticated:
-            oldest = next(iter(self._unauthenticated))
-            self._forget(oldest)
-            oldest.close()
-            self.closed["evicted"] += 1
-            self._note("evicted the oldest connection that had presented no valid token")
+            self._evict_oldest("at the connection cap")
             return True
         self.closed["refused"] += 1
         self._note("answered a new connection 503 busy")
@@ -267,6 +295,13 @@ class ConnectionGuard:
         while self.connections:
             self._emptied = asyncio.get_running_loop().create_future()
             await self._emptied
+
+    def _evict_oldest(self, why: str) -> None:
+        oldest = next(iter(self._unauthenticated))
+        self._forget(oldest)
+        oldest.close()
+        self.closed["evicted"] += 1
+        self._note(f"evicted the oldest connection that had presented no valid token: {why}")
 
     def _forget(self, connection: GuardedConnection) -> None:
         peer = self._unauthenticated.pop(connection, None)

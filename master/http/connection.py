@@ -30,7 +30,7 @@ from urllib.parse import unquote
 
 import h11
 
-from master.http.conn_guard import AUTHENTICATED_SCOPE_KEY, ConnectionGuard
+from master.http.conn_guard import AUTHENTICATED_SCOPE_KEY, ConnectionGuard, release_transport
 
 if TYPE_CHECKING:
     from master.http.stream import StreamEndpoint
@@ -46,6 +46,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 #: Request body bytes buffered before the connection stops reading until the app takes them.
 HIGH_WATER_BYTES = 65536
+#: The most one read of a connection takes from its socket (into the server's one read buffer).
+READ_BYTES = 65536
 _PHRASES = {status.value: status.phrase.encode() for status in http.HTTPStatus}
 _BAD_REQUEST = b"Invalid HTTP request received."
 _TEXT_HEADERS = [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")]
@@ -63,6 +65,11 @@ class ConnectionContext:
     keep_alive_s: float
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     state: dict[str, Any] = field(default_factory=dict)
+    #: What every connection reads its socket into (:meth:`HttpConnection.get_buffer`): the event loop
+    #: serves one read at a time and the parser copies what it keeps, so one buffer serves them all.
+    #: asyncio's own reads allocate 256 KiB each and shrink it to what arrived: under a flood of
+    #: connections trickling bytes, the heap those reads churned stayed in the master's RSS.
+    read_buffer: memoryview = field(default_factory=lambda: memoryview(bytearray(READ_BYTES)))
     _date: tuple[int, bytes] = (0, b"")
 
     def date(self) -> bytes:
@@ -77,15 +84,20 @@ def _address(value: Any) -> tuple[str, int] | None:
     return (str(value[0]), int(value[1])) if isinstance(value, tuple) and len(value) >= 2 else None
 
 
-class HttpConnection(asyncio.Protocol):
+class HttpConnection(asyncio.BufferedProtocol):
     """One accepted connection: admitted by the guard (or answered 503 ``busy``), then HTTP/1.1 requests,
     one at a time, each served by the app in a task; or, after the stream's upgrade request, the agent
     stream's. Attributes read by master.http.stream: ``scope`` and ``headers`` (the request just parsed,
-    names lower-case), ``transport``, ``client``, ``server`` and ``guard``."""
+    names lower-case), ``transport``, ``client``, ``server`` and ``guard``.
+
+    What a connection holds while it waits for a request is kept small (a flood of slow connections is
+    thousands of them, docs/security.md): no read buffer of its own (:meth:`get_buffer`), no event for a
+    write buffer that is never full, and no request, scope or app state past its response."""
 
     def __init__(self, context: ConnectionContext) -> None:
         self.context, self.guard = context, context.guard
-        self.conn = h11.Connection(h11.SERVER)
+        #: The HTTP/1.1 parser, made once the guard admitted the connection (a refused one needs none).
+        self.conn: h11.Connection
         self.transport: asyncio.Transport | None = None
         self.client: tuple[str, int] | None = None
         self.server: tuple[str, int] | None = None
@@ -98,8 +110,8 @@ class HttpConnection(asyncio.Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._refused = False
         self._reading_paused = False
-        self.writable = asyncio.Event()
-        self.writable.set()
+        #: While the transport's write buffer is full (pause_writing): done when it drained, or closed.
+        self._drained: asyncio.Future[None] | None = None
 
     # -- the transport's callbacks -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -111,10 +123,17 @@ class HttpConnection(asyncio.Protocol):
             self._refused = True  # never counted as a connection of the server
             self.guard.refuse(transport, peer)
             return
+        self.conn = h11.Connection(h11.SERVER)
         self.server = _address(transport.get_extra_info("sockname"))
         self.scheme = "https" if transport.get_extra_info("sslcontext") is not None else "http"
         self.guard.opened(self, peer)
         self._arm_deadline()  # the first request head: a connection that sends none is closed too
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.context.read_buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(bytes(self.context.read_buffer[:nbytes]))
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -124,6 +143,7 @@ class HttpConnection(asyncio.Protocol):
         self._handle_events()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        release_transport(self.transport)  # its own cycle (conn_guard.release_transport says why)
         if self._refused:
             return
         self.guard.release(self)
@@ -134,7 +154,7 @@ class HttpConnection(asyncio.Protocol):
             if not exchange.response_complete:
                 exchange.disconnected = True
             exchange.wake()
-        self.writable.set()  # a send waiting for the peer to read returns (disconnected)
+        self._wake_writer()  # a send waiting for the peer to read returns (disconnected)
         # Break the reference cycles through this connection (its exchange's back reference, the scope's
         # authentication callback): freed by reference counting now, not at the daemon's next full
         # collection (master.service.gc_pacing: every 10 minutes), which a flood of short-lived
@@ -143,10 +163,21 @@ class HttpConnection(asyncio.Protocol):
         self.scope = {}
 
     def pause_writing(self) -> None:
-        self.writable.clear()
+        if self._drained is None or self._drained.done():
+            self._drained = asyncio.get_running_loop().create_future()
 
     def resume_writing(self) -> None:
-        self.writable.set()
+        self._wake_writer()
+
+    async def writable(self) -> None:
+        """Return once the transport takes more bytes (at once, unless the peer reads slowly)."""
+        if self._drained is not None and not self._drained.done():
+            await self._drained  # one request at a time: a single waiter
+
+    def _wake_writer(self) -> None:
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
 
     # -- what the guard and the server call ----------------------------------------------------------------
     def close(self) -> None:
@@ -280,6 +311,10 @@ class HttpConnection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
+        # The exchange, its scope and what the app put there (FastAPI's exit stack, the route) are the
+        # app task's to hold now, not an idle connection's until its next request.
+        self._exchange = None
+        self.scope = {}
         self._stop_keep_alive()
         loop = asyncio.get_running_loop()
         self._keep_alive = loop.call_later(self.context.keep_alive_s, self._keep_alive_expired)
@@ -351,11 +386,25 @@ class _Exchange:
         #: Whether the app was called (a small body is read whole first).
         self.started = False
         self.waiting_for_100_continue = self.conn.they_are_waiting_for_100_continue
-        self._message = asyncio.Event()
+        #: Something for ``receive`` came (:meth:`wake`); the future ``receive`` waits on, made only then
+        #: (an exchange whose body trickles holds no event while it waits for it).
+        self._woken = False
+        self._waiter: asyncio.Future[None] | None = None
 
     def wake(self) -> None:
         """Something for ``receive``: body bytes, the body's end, the response's end or a disconnect."""
-        self._message.set()
+        self._woken = True
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _next_wake(self) -> None:
+        if not self._woken:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        self._woken = False
 
     async def run(self, app: ASGIApp) -> None:
         try:
@@ -391,8 +440,7 @@ class _Exchange:
             self.transport.write(self.conn.send(continue_) or b"")
         if not self.disconnected and not self.response_complete:
             self.connection._resume_reading()
-            await self._message.wait()
-            self._message.clear()
+            await self._next_wake()
         if self.disconnected or self.response_complete:
             return {"type": "http.disconnect"}
         message = {"type": "http.request", "body": bytes(self.body), "more_body": self.more_body}
@@ -400,8 +448,8 @@ class _Exchange:
         return message
 
     async def send(self, message: Message) -> None:
-        if not self.connection.writable.is_set() and not self.disconnected:
-            await self.connection.writable.wait()  # the peer reads slowly: the write buffer stays bounded
+        if not self.disconnected:
+            await self.connection.writable()  # the peer reads slowly: the write buffer stays bounded
         if self.disconnected:
             return
         kind = message["type"]

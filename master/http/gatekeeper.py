@@ -102,9 +102,7 @@ def check_access(
     return None
 
 
-def check_token(
-    given: bytes, peer: str, token: bytes, failures: PeerFailureLimiter
-) -> AccessRefusal | None:
+def check_token(given: bytes, peer: str, token: bytes, failures: PeerFailureLimiter) -> AccessRefusal | None:
     """None when ``given`` is ``token`` (compared in constant time); else 401 (counted against ``peer``),
     or 429 when ``peer`` sent too many wrong tokens lately (never for a valid token)."""
     if secrets.compare_digest(given, token):

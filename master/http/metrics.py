@@ -94,6 +94,12 @@ def _master_health(service: Any, job_id: str, leading: bool, now: float) -> Iter
         job_id,
     )
     yield from _gauge(
+        "elastic_master_overloaded",
+        "1 while this master sheds heartbeats it cannot serve in time (answered 429 busy), else 0.",
+        1.0 if service.admission.overloaded else 0.0,
+        job_id,
+    )
+    yield from _gauge(
         "elastic_master_long_polls_open",
         "Long-polls (round, watch) waiting now.",
         health.long_polls_open,
@@ -195,6 +201,12 @@ def _job_metrics(job: Any, job_id: str, now: float) -> Iterator[Metric]:
         "elastic_persist_failures",
         "Times a node's checkpoint persist started failing.",
         stats.persist_failures,
+        job_id,
+    )
+    yield _counter(
+        "elastic_checkpoint_corrupt",
+        "Checkpoint copies a node found failing their digest check (at a restore or before a persist).",
+        stats.checkpoint_corrupt,
         job_id,
     )
     yield _counter(

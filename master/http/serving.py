@@ -253,7 +253,9 @@ def _master_server(app: FastAPI, settings: ServerSettings, service: MasterServic
     install_log_filter()
     limit = raise_open_file_limit()
     cap = resolve_cap(limit, settings.max_connections)
-    guard = ConnectionGuard(cap, settings.header_timeout_s, settings.unauthenticated_per_address)
+    guard = ConnectionGuard(
+        cap, settings.header_timeout_s, settings.unauthenticated_per_address, settings.max_unauthenticated
+    )
     # TLS 1.2+, and a one-line error for a bad file (elastic.control.tls).
     context = None
     if settings.tls_cert and settings.tls_key:
@@ -267,20 +269,23 @@ def serve_forever(
     store: StateStore | None = None,
     metrics_sock: socket.socket | None = None,
     tick_fault_s: float | None = None,
-) -> None:
+) -> int | None:
     """Run the master in this (main) thread until SIGINT/SIGTERM; ``metrics_sock``: the bound
     ``--metrics-port`` listener (it serves ``/metrics`` only); ``tick_fault_s``: master.service.fault_hook.
 
-    Raises :class:`MasterFailure` when a supervised task failed (the master resigned first)."""
+    Raises :class:`MasterFailure` when a supervised task failed (the master resigned first). Returns the
+    job's exit code when ``settings.exit_on_job_end`` ended the serving, else None."""
     service = MasterService(settings, store=store, tick_fault_s=tick_fault_s)
     # The daemon's process is the master's alone: it may pace the collector (not so in elastic-run, whose
     # embedded master shares the agent's process).
     service.gc_pacer = GcPacer()
     service.gc_pacer.start()
     server = _master_server(create_app(service), settings, service)
+    service.on_job_end = server.request_exit
     server.run(sockets=[sock] + ([metrics_sock] if metrics_sock is not None else []))
     if service.failure is not None:
         raise service.failure
+    return service.job_end_code
 
 
 class EmbeddedMaster:

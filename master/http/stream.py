@@ -42,13 +42,14 @@ from elastic.control.protocol import (
     JoinRequest,
     LeaveRequest,
 )
-from master.http.conn_guard import ConnectionGuard
+from master.http.conn_guard import ConnectionGuard, release_transport
 from master.http.errors import ApiError, http_status
 from master.http.gatekeeper import check_access, http_response, refusal_response
 from master.http.rate_limits import PeerFailureLimiter
 from master.http.wire_compat import for_client, revision
 from master.job.errors import JobError
 from master.service import api_ops
+from master.service.overload import retry_after
 from master.service.service import MasterService
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,17 @@ class StreamEndpoint:
         self.service, self.token, self.failures = service, token.encode(), failures
         self.job_id = service.settings.job.job_id
         self.max_pending, self.max_frame = STREAM_MAX_PENDING, STREAM_MAX_FRAME_BYTES
+        #: The last heartbeat reply encoded per protocol revision, with its bytes (_dump_command).
+        self.dumped: dict[int, tuple[BaseModel, bytes]] = {}
+        # The answer to a heartbeat shed under overload (master.service.overload): the agent beats again
+        # after retry_after_s.
+        job = service.settings.job
+        wait = retry_after(job.heartbeat_interval_s, job.heartbeat_timeout_s)
+        message = "the master is overloaded and shed this heartbeat (its node counts as heard); "
+        message += f"beat again in {wait:g}s"
+        self.shed_reply = json.dumps(
+            {"error": ErrorCode.BUSY.value, "message": message, "retry_after_s": wait}, separators=(",", ":")
+        ).encode()
 
     def wants(self, protocol: UpgradingConnection) -> bool:
         """Whether the request ``protocol`` just parsed asks for the stream: ``GET /v1/stream`` with
@@ -200,6 +212,7 @@ class StreamConnection(asyncio.Protocol):
             if call.node_id is not None:  # a long-poll whose client went away, as over HTTP
                 api_ops.lost(self.service, call.node_id, call.secret)
         self._guard.release(self)
+        release_transport(self.transport)  # its own cycle (conn_guard.release_transport says why)
 
     def pause_writing(self) -> None:
         # The peer reads no replies: read no more calls until it does (the write buffer stays bounded).
@@ -283,6 +296,18 @@ class StreamConnection(asyncio.Protocol):
         out = for_client(reply, self.revision)
         return out.model_dump_json().encode() if isinstance(out, BaseModel) else bytes(out.body)
 
+    def _dump_command(self, reply: BaseModel) -> bytes:
+        """:meth:`_dump` of a heartbeat's reply. Replies are frozen and the job shares one per (command,
+        round, term) among its nodes: the bytes of the last one per protocol revision are kept (with the
+        reply itself, so that its id is not reused), and a steady heartbeat encodes nothing."""
+        cache = self.endpoint.dumped
+        held = cache.get(self.revision)
+        if held is not None and held[0] is reply:
+            return held[1]
+        data = self._dump(reply)
+        cache[self.revision] = (reply, data)
+        return data
+
     def _spawn(
         self,
         call_id: int,
@@ -319,16 +344,27 @@ class StreamConnection(asyncio.Protocol):
         self._spawn(call_id, lambda: api_ops.next_round(self.service, q, secret), q.node_id, secret)
 
     def _heartbeat(self, call_id: int, secret: str | None, query: dict, body: Any) -> None:
+        service = self.service
+        if service.holds_calls():  # a standby: held until it leads, or briefly (master.service.waiting)
+            req = _validate(HeartbeatRequest, body)
+            return self._spawn(call_id, lambda: api_ops.heartbeat(service, req, secret))
+        if not service.admission.admit():  # over this loop pass's budget: shed (master.service.overload)
+            return self._shed(call_id, secret, body)
         req = _validate(HeartbeatRequest, body)
-        if (
-            self.service.holds_calls()
-        ):  # a standby: held until it leads, or briefly (master.service.waiting)
-            return self._spawn(call_id, lambda: api_ops.heartbeat(self.service, req, secret))
-        reply = api_ops.beat(self.service, req, secret)
-        if self.service.holds_current_state():  # the steady case: answered here, no task
-            self._send(call_id, 200, self._dump(reply))
+        reply = api_ops.beat(service, req, secret)
+        if service.holds_current_state():  # the steady case: answered here, no task
+            self._send(call_id, 200, self._dump_command(reply))
         else:  # write-ahead: the reply waits until the store holds what it may reveal
-            self._spawn(call_id, lambda: api_ops.stored(self.service, reply))
+            self._spawn(call_id, lambda: api_ops.stored(service, reply))
+
+    def _shed(self, call_id: int, secret: str | None, body: Any) -> None:
+        """Answer a heartbeat the master has no time for now ``429 busy`` with ``retry_after_s``, having
+        counted it as a sign of life of its node when it carries the node's secret (liveness judged against
+        receipt: master.service.overload); nothing else of it is read."""
+        node_id = body.get("node_id") if type(body) is dict else None
+        if type(node_id) is str and type(secret) is str:
+            self.service.heard(node_id, secret)
+        self._send(call_id, 429, self.endpoint.shed_reply)
 
     def _watch(self, call_id: int, secret: str | None, query: dict, body: Any) -> None:
         q = _validate(api_ops.WatchQuery, query, "query")

@@ -44,6 +44,8 @@ CSRF_COOKIE = "elastic_ui_csrf"
 SESSION_TTL_S = 8 * 3600.0
 #: The login form is a token and a CSRF value: a larger body is refused before it is parsed.
 LOGIN_BODY_MAX = 4096
+#: A session's expiry (Unix seconds) has 10 digits until 2286; a cookie with more is no session.
+_EXPIRY_DIGITS = 20
 
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
@@ -72,10 +74,17 @@ class Sessions:
         return f"{expires}.{self._mac(expires)}"
 
     def valid(self, value: str | None) -> bool:
+        # A cookie is any bytes a client sends (decoded as latin-1): only ASCII digits of a sane length are
+        # an expiry (str.isdigit() accepts '²', which int() refuses; int() refuses over 4,300 digits), and
+        # the MACs are compared as bytes (hmac.compare_digest refuses non-ASCII str). Anything else is no
+        # session, never an error (bench/fuzz_wire.py found the 500s).
         expires_text, _, mac = (value or "").partition(".")
-        if not expires_text.isdigit() or not hmac.compare_digest(mac, self._mac(int(expires_text))):
+        if not (expires_text.isascii() and expires_text.isdigit() and len(expires_text) <= _EXPIRY_DIGITS):
             return False
-        return int(expires_text) > self._clock()
+        expires = int(expires_text)
+        if not hmac.compare_digest(mac.encode("utf-8", "replace"), self._mac(expires).encode()):
+            return False
+        return expires > self._clock()
 
     def _mac(self, expires: int) -> str:
         return hmac.new(self._key, f"{self._job_id}|{expires}".encode(), hashlib.sha256).hexdigest()

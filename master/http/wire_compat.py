@@ -20,8 +20,12 @@ from elastic.control.protocol import PROTOCOL_VERSION, CommandReply, JobStatus, 
 
 #: Reply type -> the fields revision 1 lacks (a pydantic ``exclude`` spec).
 LACKING_IN_REVISION_1: dict[type[BaseModel], Any] = {
-    CommandReply: {"term"},
-    RoundReply: {"assignment": {"term", "job_incarnation"}},
+    CommandReply: {"term", "peer_keys", "replication_key"},
+    RoundReply: {
+        "assignment": {"term", "job_incarnation", "opening"},
+        # Revision 1 knew these four fields only (the rest: the waiting figures of the agent's line).
+        **dict.fromkeys(RoundReply.model_fields.keys() - {"status", "assignment", "outcome", "round"}, True),
+    },
     JobStatus: {"nodes": {"__all__": {"excluded_reason", "readmit_in_s"}}},
 }
 

@@ -178,6 +178,14 @@ class GoodputAccount:
         self.training_since = None
         return True
 
+    def started_event(self, at: float) -> dict[str, Any]:
+        """Start the training clock at ``at``; the data to put on the event that started it."""
+        return {"training": "started", "training_at": at} if self.start(at) else {}
+
+    def stopped_event(self, at: float) -> dict[str, Any]:
+        """Stop the training clock at ``at``; the data to put on the event that stopped it."""
+        return {"training": "stopped", "training_at": at} if self.stop(at) else {}
+
     def stop_earlier(self, at: float) -> float | None:
         """The last training period ended at ``at``, not when :meth:`stop` said (the world is found to have
         broken earlier). Returns the period's new end (``at``, but not before the period began), or None
@@ -438,6 +446,7 @@ class JobStats:
     leader_changes: int = 0
     checkpoints_committed: int = 0  # times the job's committed step moved forward
     checkpoints_persisted: int = 0  # times the newest step some node made durable moved forward
+    checkpoint_corrupt: int = 0  # checkpoint copies found failing their digest (restore or persist)
     recovery: dict[tuple[str, str], Histogram] = field(default_factory=dict)  # (phase, cause) ->
 
     def apply(self, event: Event) -> None:
@@ -452,6 +461,8 @@ class JobStats:
             self._verdict(_VERDICTS[kind])
         elif kind == EventKind.PERSIST_FAILED:
             self.persist_failures += 1
+        elif kind == EventKind.CHECKPOINT_CORRUPT:
+            self.checkpoint_corrupt += 1
         elif kind == EventKind.MASTER_TAKEOVER:
             self.leader_changes += 1
         elif kind == EventKind.FIRST_STEP and event.cause:
@@ -472,6 +483,7 @@ class JobStats:
             "leader_changes": self.leader_changes,
             "checkpoints_committed": self.checkpoints_committed,
             "checkpoints_persisted": self.checkpoints_persisted,
+            "checkpoint_corrupt": self.checkpoint_corrupt,
             "recovery": [
                 {"phase": p, "cause": c, "buckets": h.buckets, "count": h.count, "sum": h.total}
                 for (p, c), h in self.recovery.items()
@@ -491,6 +503,7 @@ class JobStats:
             leader_changes=int(data.get("leader_changes", 0)),
             checkpoints_committed=int(data.get("checkpoints_committed", 0)),
             checkpoints_persisted=int(data.get("checkpoints_persisted", 0)),
+            checkpoint_corrupt=int(data.get("checkpoint_corrupt", 0)),
         )
         for h in data.get("recovery") or []:
             if len(h["buckets"]) == len(RECOVERY_BUCKETS):  # buckets of another layout are dropped

@@ -6,6 +6,7 @@ table in :mod:`elastic.control.error_table`); the HTTP status belongs to the HTT
 from __future__ import annotations
 
 from elastic.control.error_table import ErrorCode
+from elastic.control.protocol import NODE_SECRET_HEADER
 from elastic.errors import RequestRefused
 
 
@@ -37,6 +38,19 @@ class BadNodeSecretError(JobError):
     """A request for a known node without that node's current secret (master.job.liveness)."""
 
     code = ErrorCode.BAD_NODE_SECRET
+
+    @classmethod
+    def for_node(cls, node_id: str, secret_given: bool) -> BadNodeSecretError:
+        """The refusal of a request for ``node_id`` that carried no secret, or a wrong one."""
+        if not secret_given:
+            return cls(
+                f"request for node {node_id} carries no node secret ({NODE_SECRET_HEADER}); only the "
+                f"agent that joined as {node_id} may act for it"
+            )
+        return cls(
+            f"wrong node secret for node {node_id}: another agent joined as {node_id} since "
+            f"(give every agent its own --node-id), or the request does not come from its agent"
+        )
 
 
 class DuplicateNodeError(JobError):

@@ -18,7 +18,7 @@ request and tick (:meth:`master.job.job.Job.take_effects`) instead of diffing co
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypeVar
@@ -69,11 +69,35 @@ class EventKind(_Text):
     FIRST_STEP = "first_step"
     PERSIST_FAILED = "persist_failed"
     PERSIST_RECOVERED = "persist_recovered"
+    CHECKPOINT_CORRUPT = "checkpoint_corrupt"  # a node found a checkpoint copy failing its digest
     STRAGGLER = "straggler"
     STRAGGLER_CLEARED = "straggler_cleared"
     MASTER_TAKEOVER = "master_takeover"
     MASTER_STALLED = "master_stalled"
     MASTER_SUSPECTED = "master_suspected"  # it heard nothing from most nodes at once: holds, resigns
+    MASTER_OVERLOADED = "master_overloaded"  # it sheds heartbeats (master.service.overload)
+    MASTER_OVERLOAD_ENDED = "master_overload_ended"
+
+
+def news_of_corrupt(
+    node_id: str, seen: frozenset[str], reports: Sequence[Any]
+) -> list[tuple[str, dict[str, Any]]]:
+    """``(message, data)`` of an event ``checkpoint_corrupt`` for each of a heartbeat's reports of damaged
+    checkpoint copies (``elastic.control.protocol.CheckpointCorruption``) whose id is not in ``seen`` (the
+    ids its previous heartbeat carried). The agent sends a report until a heartbeat that carried it is
+    answered, so a repeated id is no news; after a master failover a report may be recorded twice, never
+    lost (soft state)."""
+    news = []
+    for found in reports:
+        if found.id in seen:
+            continue
+        where = f" ({found.file})" if found.file else ""
+        message = (
+            f"node {node_id}: a copy of the checkpoint of step {found.step}{where} failed its digest check "
+            f"at {found.found_by or 'restore'} and was not used: {found.detail}"
+        )
+        news.append((message, {"step": found.step, "found_by": found.found_by, "file": found.file}))
+    return news
 
 
 class Cause(_Text):

@@ -74,6 +74,24 @@ class Exclusion:
             return f"the agents with default node ids (HOSTNAME-PID) at {self.node_id}"
         return f"node {self.node_id}"
 
+    def event_line(self) -> str:
+        """The event's line: who, how often, and how it ends."""
+        return (
+            f"{self.who} excluded for flapping: lost {self.count} times within "
+            f"{self.window_s:g}s (more than --flap-limit {self.limit}); re-admitted at "
+            f"{clock_time(self.until)} or by 'elastic-master readmit {self.node_id}'"
+        )
+
+    def readmitted_line(self) -> str:
+        """The event's line when the cool-down is over."""
+        return (
+            f"node {self.node_id} re-admitted: its flapping cool-down of {self.until - self.since:g}s is over"
+        )
+
+    def event_data(self) -> dict[str, float | int]:
+        """The event's data fields."""
+        return {"count": self.count, "window_s": self.window_s, "until": self.until}
+
     def reason(self) -> str:
         """Why, in a few words (the status view's reason)."""
         return (

@@ -18,14 +18,12 @@ flapping, stragglers and the node check. Views that only read the job are in :mo
 from __future__ import annotations
 
 import secrets
-import time
 import uuid
 from collections import deque
 from typing import Any
 
 from elastic.control.job_settings import JobSettings
 from elastic.control.protocol import (
-    NODE_SECRET_HEADER,
     Command,
     CommandReply,
     HeartbeatRequest,
@@ -49,12 +47,13 @@ from master.job.errors import (
     SettingsMismatchError,
     UnknownNodeError,
 )
-from master.job.events import Cause, Effects, EffectsBuffer, Event, EventKind, restore_events
-from master.job.flapping import Exclusion, FlapCounter, FlapPolicy, clock_time, flap_key
+from master.job.events import Cause, Effects, EffectsBuffer, Event, EventKind, news_of_corrupt, restore_events
+from master.job.flapping import Exclusion, FlapCounter, FlapPolicy, flap_key
 from master.job.liveness import (
     JoinKind,
     Liveness,
     SelfSuspicion,
+    check_secret,
     hash_secret,
     judge_join,
     matches,
@@ -63,9 +62,9 @@ from master.job.liveness import (
 from master.job.node_check import NodeCheck
 from master.job.progress import CheckpointProgress, NodeInfo, describe_failure
 from master.job.rendezvous import Candidate, Phase, Rendezvous, name_list
-from master.job.snapshot import UnreadableStateError, check_version, snapshot_of
+from master.job.snapshot import UnreadableStateError, check_version, new_incarnation, snapshot_of
 from master.job.stragglers import StragglerTracker
-from master.job.views import assignment, job_info, job_status, replica_targets
+from master.job.views import assignment, job_info, job_status, replication_fields
 
 #: How a failed job ends (a row of the one table, elastic.exit_codes).
 EXIT_FAILED = ExitCode.FAILED
@@ -83,6 +82,8 @@ class Job:
         self.master_id = master_id or uuid.uuid4().hex[:12]
         #: This submission of the job (Assignment.job_incarnation): stored, so that a failover keeps it.
         self.incarnation = new_incarnation()
+        #: Root of the replication keys (master.job.views.replication_fields): stored, never sent.
+        self.replication_secret = secrets.token_hex(32)
         self.rdzv = Rendezvous(settings)
         self.liveness = Liveness(settings.heartbeat_timeout_s)
         self.nodes: dict[str, NodeInfo] = {}
@@ -183,17 +184,11 @@ class Job:
 
     def authenticate(self, node: NodeInfo, node_secret: str | None) -> None:
         """Raise :class:`BadNodeSecretError` unless ``node_secret`` is the node's current secret."""
-        if matches(node.secret_hash, node_secret):
+        verified = check_secret(node.secret_hash, node.verified, node_secret)
+        if verified is not None:
+            node.verified = verified
             return
-        if not node_secret:
-            raise BadNodeSecretError(
-                f"request for node {node.node_id} carries no node secret ({NODE_SECRET_HEADER}); only the "
-                f"agent that joined as {node.node_id} may act for it"
-            )
-        raise BadNodeSecretError(
-            f"wrong node secret for node {node.node_id}: another agent joined as {node.node_id} since "
-            f"(give every agent its own --node-id), or the request does not come from its agent"
-        )
+        raise BadNodeSecretError.for_node(node.node_id, secret_given=bool(node_secret))
 
     # -- requests ---------------------------------------------------------------------------------
     def join(self, req: JoinRequest, now: float, node_secret: str | None = None) -> JoinReply:
@@ -236,7 +231,7 @@ class Job:
             # Its agent restarted before the dead verdict: a loss like that verdict (master.job.flapping).
             if (flapped := self._note_loss(node, now)) is not None:
                 self._remove(
-                    req.node_id, self._flap_line(flapped), EventKind.NODE_FLAPPING_EXCLUDED, now, flapped
+                    req.node_id, flapped.event_line(), EventKind.NODE_FLAPPING_EXCLUDED, now, flapped
                 )
                 self._advance(now)
                 raise NodeExcludedError(flapped.message(s.job_id))
@@ -303,6 +298,7 @@ class Job:
         self.suspicion.heard(req.node_id)
         node.note_workers(req.workers)
         self._note_persist(node, req, now)
+        self._note_corrupt(node, req, now)
         node.replication_port, node.replicated_step = req.replication_port, req.replicated_step
         node.replication_lag, node.replication_error = req.replication_lag, req.replication_error
         self._note_round_progress(node, req, now)
@@ -330,8 +326,22 @@ class Job:
             self._on_success(node, now)
         reply = self.command_for(req.node_id, req.round, req.term)
         if req.replicas and reply.command is Command.CONTINUE and self.rdzv.is_member(req.node_id):
-            reply = reply.model_copy(update={"peers": replica_targets(self, req.node_id, req.replicas)})
+            reply = reply.model_copy(update=replication_fields(self, req.node_id, req.replicas))
         return reply
+
+    def heard(self, node_id: str, node_secret: str, now: float) -> None:
+        """A heartbeat of the node arrived but was shed (master.service.overload): alive at its receipt if
+        it carries the node's current secret, nothing else learnt. O(1) (the secret check is a comparison
+        once the node's heartbeats were checked: :meth:`authenticate`)."""
+        node = self.nodes.get(node_id)
+        if node is None or node_id in self.succeeded:
+            return
+        try:
+            self.authenticate(node, node_secret)
+        except BadNodeSecretError:
+            return
+        self.liveness.beat(node_id, now)
+        self.suspicion.heard(node_id)
 
     def leave(self, node_id: str, reason: str, now: float, node_secret: str | None) -> None:
         """Orderly departure (the agent was told to stop, e.g. preemption): a membership change."""
@@ -449,6 +459,12 @@ class Job:
             self.note_durable_change()  # the incident ended (its nodes heard from, or declared dead)
         self._advance(now)
 
+    def note_overload(self, started: bool, message: str, now: float) -> None:
+        """The master started (or stopped) shedding heartbeats it could not serve in time
+        (master.service.overload): an event where the operator looks, either way."""
+        kind = EventKind.MASTER_OVERLOADED if started else EventKind.MASTER_OVERLOAD_ENDED
+        self.record(now, kind, message)
+
     def excuse_stall(self, seconds: float, now: float) -> None:
         """The master's own loop did not run for ``seconds`` (CPU starved, a long collection, the process
         stopped): the heartbeats of that time waited unread, so no node is declared dead for them (every
@@ -512,6 +528,8 @@ class Job:
         # A state stored before incarnations keeps the new one: the next round's persists then supersede
         # the earlier rounds' (which the fence already orders by round), never the other way round.
         self.incarnation = str(data.get("incarnation") or self.incarnation)
+        # Stored by an older master without one: the new one (nodes get new keys with their next heartbeat).
+        self.replication_secret = str(data.get("replication_secret") or self.replication_secret)
         self.checkpoints = CheckpointProgress(data.get("committed_step"))
         self.outcome = Outcome(**data["outcome"]) if data.get("outcome") else None
         self.succeeded = set(data.get("succeeded", []))
@@ -582,7 +600,7 @@ class Job:
         if cause is not None:
             began = now if began_at is None else min(began_at, now)
             self.recovery.verdict(cause, began, now)
-            stopped = self._training_stopped(began if stopped_at is None else stopped_at)
+            stopped = self.goodput.stopped_event(began if stopped_at is None else stopped_at)
             data = {"steps_lost": steps_lost, **stopped}
         kind = "restart" if counted else "membership change"
         self.record(
@@ -653,7 +671,7 @@ class Job:
     def _finish(self, outcome: Outcome, now: float) -> None:
         self.outcome = outcome
         self._wake()
-        training = self._training_stopped(now)
+        training = self.goodput.stopped_event(now)
         self.goodput.end(now)
         kind = EventKind.JOB_SUCCEEDED if outcome.succeeded else EventKind.JOB_FAILED
         self.record(now, kind, outcome.summary, data=training)
@@ -792,7 +810,7 @@ class Job:
             return
         self._wake(node_id)  # its own long-polls answer differently now (a member's: a round opens)
         began = now if began_at is None else began_at
-        data = _flap_data(flapped) if flapped is not None else {}
+        data = flapped.event_data() if flapped is not None else {}
         self.record(
             now, kind, why, node=node_id, cause=Cause.NODE_LOSS, durations={"detect": now - began}, data=data
         )
@@ -810,18 +828,11 @@ class Job:
         """Count one loss of ``node`` (per id, or per host for a default id: master.job.flapping)."""
         return self.flapping.note(_flap_key_of(node), now, node.host, node.nproc, by_host=node.default_id)
 
-    def _flap_line(self, flapped: Exclusion) -> str:
-        return (
-            f"{flapped.who} excluded for flapping: lost {flapped.count} times within "
-            f"{flapped.window_s:g}s (more than --flap-limit {flapped.limit}); re-admitted at "
-            f"{clock_time(flapped.until)} or by 'elastic-master readmit {flapped.node_id}'"
-        )
-
     def _record_flap_exclusion(self, flapped: Exclusion, now: float) -> None:
         """An exclusion of a node that is gone already (its loss was a dead verdict)."""
-        line = self._flap_line(flapped)
+        line = flapped.event_line()
         kind = EventKind.NODE_FLAPPING_EXCLUDED
-        self.record(now, kind, line, node=flapped.node_id, data=_flap_data(flapped))
+        self.record(now, kind, line, node=flapped.node_id, data=flapped.event_data())
         self._wake(flapped.node_id)  # its agent's pending long-polls now answer "exclude"
         if flapped.by_host:  # the crash loop's live agent, under a new id, goes too (a dead one: tick)
             key = flapped.node_id
@@ -831,13 +842,7 @@ class Job:
 
     def _readmit_expired(self, now: float) -> None:
         for over in self.flapping.expired(now):
-            self.record(
-                now,
-                EventKind.NODE_READMITTED,
-                f"node {over.node_id} re-admitted: its flapping cool-down of "
-                f"{over.until - over.since:g}s is over",
-                node=over.node_id,
-            )
+            self.record(now, EventKind.NODE_READMITTED, over.readmitted_line(), node=over.node_id)
             self._wake(over.node_id)
 
     # -- soft state from heartbeats ---------------------------------------------------------------
@@ -891,6 +896,13 @@ class Job:
             )
         node.persist_error = req.persist_error
 
+    def _note_corrupt(self, node: NodeInfo, req: HeartbeatRequest, now: float) -> None:
+        """Event ``checkpoint_corrupt`` once per damaged checkpoint copy a node reports (news_of_corrupt)."""
+        if req.ckpt_corrupt or node.corrupt_seen:  # rare: the heartbeat's hot path skips it
+            for message, data in news_of_corrupt(node.node_id, node.corrupt_seen, req.ckpt_corrupt):
+                self.record(now, EventKind.CHECKPOINT_CORRUPT, message, node=node.node_id, data=data)
+            node.corrupt_seen = frozenset(found.id for found in req.ckpt_corrupt)
+
     def _note_round_progress(self, node: NodeInfo, req: HeartbeatRequest, now: float) -> None:
         """A member's workers started or first stepped in the current round (recovery phases, goodput):
         one event when the last member's did, never one per node."""
@@ -912,7 +924,7 @@ class Job:
         if stepped is None:
             return
         at, recovery = stepped
-        training = self._training_started(at)
+        training = self.goodput.started_event(at)
         if recovery is None:
             message = f"round {req.round}: every member stepped; training"
             self.record(now, EventKind.FIRST_STEP, message, round=req.round, data=training)
@@ -930,14 +942,6 @@ class Job:
             # The restart phase's end, as the later heartbeats refined it (RecoveryTracker).
             data={**training, "workers_started_at": started_at},
         )
-
-    def _training_started(self, at: float) -> dict[str, Any]:
-        """Start goodput's training clock at ``at``; the data to put on the event that started it."""
-        return {"training": "started", "training_at": at} if self.goodput.start(at) else {}
-
-    def _training_stopped(self, at: float) -> dict[str, Any]:
-        """Stop goodput's training clock at ``at``; the data to put on the event that stopped it."""
-        return {"training": "stopped", "training_at": at} if self.goodput.stop(at) else {}
 
     # -- replies and wake-ups ---------------------------------------------------------------------
     def _command_reply(self, command: Command) -> CommandReply:
@@ -968,7 +972,7 @@ class Job:
         return CommandReply(
             command=Command.EXCLUDE,
             round=self.rdzv.round,
-            outcome=Outcome(succeeded=False, exit_code=EXIT_FAILED, summary=summary),
+            outcome=Outcome(succeeded=False, exit_code=ExitCode.NODE_UNHEALTHY, summary=summary),
             master_id=self.master_id,
         )
 
@@ -979,17 +983,6 @@ class Job:
             self._effects.wake = True
         else:
             self._effects.wake_nodes.add(node_id)
-
-
-def new_incarnation() -> str:
-    """A new job incarnation (``Assignment.job_incarnation``): the wall-clock time in fixed-width hex, so
-    that a later submission compares greater as a string, then a random part (two masters started in the
-    same nanosecond still differ)."""
-    return f"{time.time_ns():016x}-{secrets.token_hex(4)}"
-
-
-def _flap_data(flapped: Exclusion) -> dict[str, Any]:
-    return {"count": flapped.count, "window_s": flapped.window_s, "until": flapped.until}
 
 
 def _flap_key_of(node: NodeInfo) -> str:

@@ -318,6 +318,23 @@ def matches(secret_hash: str, secret: str | None) -> bool:
     return hmac.compare_digest(hash_secret(secret), secret_hash)
 
 
+def check_secret(
+    secret_hash: str, verified: tuple[str, bytes] | None, secret: str | None
+) -> tuple[str, bytes] | None:
+    """The node's proof of ``secret`` when it is the secret of the incarnation hashed ``secret_hash``, else
+    None. ``verified`` is the proof an earlier request of the node left (``NodeInfo.verified``): a secret
+    already checked for this incarnation is compared, not hashed again (a heartbeat's hot path)."""
+    if not secret:
+        return None
+    if (
+        verified is not None
+        and verified[0] == secret_hash
+        and hmac.compare_digest(verified[1], secret.encode())
+    ):
+        return verified
+    return (secret_hash, secret.encode()) if matches(secret_hash, secret) else None
+
+
 def judge_join(current_hash: str | None, alive: bool, secret: str | None) -> JoinKind:
     """Decide a join for a node id.
 

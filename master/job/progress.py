@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from elastic.control.protocol import NodeState, WorkerFailure, WorkerProgress
 from master.job.stragglers import NO_PACE, Pace, node_pace
@@ -47,12 +47,16 @@ class NodeInfo:
     # Soft state from heartbeats (never stored): the node's durable checkpoint and its persist trouble.
     persisted_step: int | None = None
     persist_error: str = ""
+    corrupt_seen: frozenset[str] = frozenset()  # ids of the damaged-checkpoint reports of its last heartbeat
     # Soft state: peer replication of its memory checkpoints (agent.checkpoints.replication).
     replication_port: int | None = None
     replicated_step: int | None = None
     replication_lag: int | None = None
     replication_error: str = ""
     joined_at: float | None = None  # when it last joined (a scale-up's detection starts there)
+    #: Soft, never stored: (secret_hash, the secret) last checked against that hash (Job.authenticate), so
+    #: that a steady heartbeat compares the secret instead of hashing it.
+    verified: tuple[str, bytes] | None = field(default=None, repr=False, compare=False)
 
     @property
     def step_time_s(self) -> float | None:

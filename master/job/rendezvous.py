@@ -145,6 +145,16 @@ class Decision:
     until: float | None = None
 
 
+@dataclass(frozen=True)
+class Standing:
+    """How the rendezvous stands, for a node waiting for its round (:meth:`Rendezvous.standing`)."""
+
+    joined: int  # nodes that joined and wait for the next round
+    expected_back: int  # members of the previous round the forming round waits for, not rejoined yet
+    running: int | None  # members of the running round (ACTIVE); None while a round forms
+    last_call_ends_at: float | None  # when the last call ends (forming, or growth while ACTIVE)
+
+
 class Rendezvous:
     """Rounds, membership and rank assignment of one job."""
 
@@ -174,6 +184,17 @@ class Rendezvous:
 
     def has_joined(self, node_id: str) -> bool:
         return node_id in self._joined
+
+    def standing(self) -> Standing:
+        """Counts and the last call's end, in O(1): every waiting node's round poll reads them."""
+        s = self.settings
+        if self.phase is Phase.ACTIVE and self.current is not None:
+            since = self._growth_since
+            end = None if since is None else since + s.last_call_s
+            return Standing(len(self._joined), 0, len(self.current.slots), end)
+        since = self._min_reached_at
+        end = None if since is None else since + s.last_call_s
+        return Standing(len(self._joined), len(self._pending), None, end)
 
     # -- transitions ------------------------------------------------------------------------------
     def join(self, candidate: Candidate, now: float) -> None:

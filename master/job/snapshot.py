@@ -10,6 +10,8 @@ standbys first, then restarts the leader: docs/operations.md).
 
 from __future__ import annotations
 
+import secrets
+import time
 from typing import Any
 
 from elastic import errors
@@ -73,6 +75,8 @@ def snapshot_of(job: Job) -> dict[str, Any]:
         **job.budget.snapshot(),  # restart_count, round_failed
         "round_term": job.round_term,
         "incarnation": job.incarnation,
+        # Durable: the nodes' replication keys derive from it (master.job.views.replication_fields).
+        "replication_secret": job.replication_secret,
         # Soft (not a reason to write), but kept when written: a new leader's first assignments
         # then name a step to restore before heartbeats have reported one.
         "committed_step": job.committed_step,
@@ -87,3 +91,10 @@ def snapshot_of(job: Job) -> dict[str, Any]:
         "stats": job.stats.snapshot(),
         "recovery": job.recovery.snapshot(),
     }
+
+
+def new_incarnation() -> str:
+    """A new job incarnation (``Assignment.job_incarnation``, stored with the job): the wall-clock time in
+    fixed-width hex, so that a later submission compares greater as a string, then a random part (two
+    masters started in the same nanosecond still differ)."""
+    return f"{time.time_ns():016x}-{secrets.token_hex(4)}"

@@ -1,6 +1,6 @@
-"""The job as others see it: ``/v1/info`` and ``/v1/status``, a node's assignment and replication peers,
-and why the job is where it is. Pure reads of a :class:`~master.job.job.Job` at ``now``: nothing here
-changes the job.
+"""The job as others see it: ``/v1/info`` and ``/v1/status``, a node's assignment and replication peers
+(with their keys), and why the job is where it is. Pure reads of a :class:`~master.job.job.Job` at
+``now``: nothing here changes the job.
 
 The waiting reason is the sentence ``/v1/status``, ``elastic-master status`` and the status page show. The
 rendezvous decides with its reason (:meth:`master.job.rendezvous.Rendezvous.decide`); the job adds what only
@@ -10,7 +10,12 @@ master logs the sentence when it changes (:class:`ReasonLog`).
 
 from __future__ import annotations
 
+import functools
+import hmac
+import json
 import logging
+import re
+import weakref
 from typing import Any
 
 from elastic.control.protocol import (
@@ -20,9 +25,13 @@ from elastic.control.protocol import (
     JobStatus,
     NodeStatus,
     NodeView,
+    RoundOpening,
+    RoundReply,
+    RoundStatus,
     StatusEvent,
 )
 from elastic.text import printable
+from master.job.events import Cause, EventKind
 from master.job.rendezvous import Phase, Slot, name_list
 
 #: A :class:`master.job.job.Job` (not imported: the job imports this module).
@@ -142,12 +151,14 @@ def assignment(job: Job, slot: Slot) -> Assignment:
         check=job.is_check_round(current.number),
         term=job.round_term,
         job_incarnation=job.incarnation,
+        opening=round_opening(job),
     )
 
 
-def replica_targets(job: Job, node_id: str, replicas: int) -> list[str]:
-    """The replication endpoints of a node's ring successors in the current round (O(replicas)): those of
-    :func:`elastic.checkpoint.shard_layout.ring_targets`, found from the node's rank instead of a search."""
+def replica_targets(job: Job, node_id: str, replicas: int) -> list[tuple[str, str]]:
+    """``(node id, HOST:PORT)`` of a node's ring successors in the current round (O(replicas)): those of
+    :func:`elastic.checkpoint.shard_layout.ring_targets`, found from the node's rank instead of a search;
+    the endpoint is '' while the successor has not reported its replication port."""
     current = job.rdzv.current
     slot = current.slot(node_id) if current is not None else None
     if current is None or slot is None or replicas <= 0:
@@ -159,8 +170,128 @@ def replica_targets(job: Job, node_id: str, replicas: int) -> list[str]:
         info = job.nodes.get(peer)
         port = info.replication_port if info is not None else None
         host = info.host if info is not None else ""
-        peers.append(f"[{host}]:{port}" if ":" in host and port else f"{host}:{port}" if port else "")
+        peers.append((peer, f"[{host}]:{port}" if ":" in host and port else f"{host}:{port}" if port else ""))
     return peers
+
+
+def replication_fields(job: Job, node_id: str, replicas: int) -> dict[str, Any]:
+    """What a member's heartbeat reply says about peer replication (``CommandReply.peers``, ``peer_keys``,
+    ``replication_key``): its successors' endpoints, the pair key for each, and its own receiver key.
+
+    The keys (the formulas of agent.checkpoints.replication_wire): ``R(n) = HMAC-SHA256(secret,
+    ["replicate", incarnation, n])`` for node ``n``, and ``K(n→t) = HMAC-SHA256(R(t), ["push", n])``. A
+    node learns ``R`` of itself and ``K`` of its own pushes only, so it cannot prove another node's
+    identity; the receiver derives ``K`` from its ``R``."""
+    targets = replica_targets(job, node_id, replicas)
+    return {
+        "peers": [endpoint for _, endpoint in targets],
+        "peer_keys": [
+            pair_key(job.replication_secret, job.incarnation, node_id, t).hex() for t, _ in targets
+        ],
+        "replication_key": receiver_key(job.replication_secret, job.incarnation, node_id).hex(),
+    }
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def receiver_key(secret: str, incarnation: str, node_id: str) -> bytes:
+    """``R(node_id)`` (see :func:`replication_fields`); cached: a heartbeat asks for the same keys each
+    time, and an HMAC costs microseconds that 10,000 nodes' heartbeats would repeat."""
+    message = json.dumps(["replicate", incarnation, node_id], separators=(",", ":")).encode()
+    return hmac.digest(bytes.fromhex(secret), message, "sha256")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def pair_key(secret: str, incarnation: str, sender: str, receiver: str) -> bytes:
+    """``K(sender→receiver)`` (see :func:`replication_fields`)."""
+    message = json.dumps(["push", sender], separators=(",", ":")).encode()
+    return hmac.digest(receiver_key(secret, incarnation, receiver), message, "sha256")
+
+
+def waiting_reply(job: Job, now: float) -> RoundReply:
+    """The reply of a round long-poll that found no round for its node: how the rendezvous stands, for the
+    agent's waiting line. O(1) (every waiting node polls about once per agent line interval)."""
+    rdzv, s = job.rdzv, job.settings
+    standing = rdzv.standing()
+    end = standing.last_call_ends_at
+    forming = rdzv.phase is Phase.OPEN
+    return RoundReply(
+        status=RoundStatus.WAITING,
+        round=rdzv.round,
+        joined=standing.joined,
+        min_nodes=s.min_nodes,
+        max_nodes=s.max_nodes,
+        expected_back=standing.expected_back if forming else None,
+        running_nodes=standing.running,
+        last_call_ends_in_s=None if end is None else round(max(0.0, end - now), 3),
+        opening=round_opening(job) if forming else None,
+    )
+
+
+#: ``round 4 opened (restart: WHY); restarts 1/3``: the message of the job's round_opened event.
+_OPENED = re.compile(r"^round \d+ opened \((restart|membership change): (.*)\); restarts \d+/\d+$", re.S)
+#: The longest ``why`` of a :class:`RoundOpening` (a worker's message may be a whole traceback).
+WHY_MAX = 200
+#: Per job, the newest :func:`round_opening` and what it was computed from: (event count, round).
+_openings: weakref.WeakKeyDictionary[Any, tuple[tuple[int, int], RoundOpening | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def round_opening(job: Job) -> RoundOpening | None:
+    """Why the master opened its current round (None for the first one), from the job's newest
+    ``round_opened`` event and any ``failure_not_counted`` after it (a failure that followed a lost node).
+    Remembered per job until an event is recorded: a round's N assignments and the waiting replies read it,
+    and finding the event walks back through the events since."""
+    number = job.rdzv.round
+    if number <= 1:
+        return None  # the first round is not opened by an event
+    key = (job.event_count, number)
+    memo = _openings.get(job)
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    opening = _find_opening(job, number)
+    _openings[job] = (key, opening)
+    return opening
+
+
+def _find_opening(job: Job, number: int) -> RoundOpening | None:
+    lost_node: str | None = None  # the node whose loss explained the failure (failure_not_counted)
+    for event in reversed(job.events):
+        if event.kind == EventKind.FAILURE_NOT_COUNTED and lost_node is None:
+            lost_node = event.node or "?"
+        elif event.kind == EventKind.ROUND_CLOSED and event.round is not None and event.round < number:
+            return None  # an earlier round's close: no event opened this one (restored from a store)
+        elif event.kind == EventKind.ROUND_OPENED:
+            if event.round != number:
+                return None
+            cause = str(event.cause or "")
+            matched = _OPENED.match(event.message)
+            if matched is not None:
+                counted, why = matched.group(1) == "restart", matched.group(2)
+            else:  # worded otherwise (another release's master recorded it): its cause says
+                counted, why = cause in (Cause.WORKER_FAILURE, Cause.HANG), event.message
+            why = _short(why)
+            if lost_node is not None:
+                counted, cause = False, str(Cause.NODE_LOSS)
+                why += f"; it followed the loss of node {lost_node}"
+            pending = job.budget.pending
+            if pending is not None and not pending.counted:
+                counted = False  # the budget was spent: the job fails at the close (master.job.accounting)
+            return RoundOpening(
+                round=number,
+                cause=cause,
+                why=why,
+                charged=counted,
+                restart_count=job.restart_count,
+                max_restarts=job.settings.max_restarts,
+            )
+    return None
+
+
+def _short(text: str) -> str:
+    """The first line of ``text``, at most :data:`WHY_MAX` characters."""
+    line = printable(text.strip().splitlines()[0] if text.strip() else "")
+    return line if len(line) <= WHY_MAX else line[: WHY_MAX - 3] + "..."
 
 
 def waiting_reason(job: Job, now: float) -> str:

@@ -27,9 +27,9 @@ from elastic.control.protocol import (
     JoinRequest,
     LeaveRequest,
     RoundReply,
-    RoundStatus,
 )
 from master.job.errors import JobError
+from master.job.views import waiting_reply
 from master.service.service import MasterService
 
 T = TypeVar("T")
@@ -134,7 +134,10 @@ async def next_round(
     )
     if reply is not None:
         return reply
-    return await stored(service, RoundReply(status=RoundStatus.WAITING, round=service.leading_job().round))
+    # Built only here, once the poll timed out: how the rendezvous stands for the agent's waiting line. The
+    # agent asks again after its line interval (shorter polls), so a change is never pushed to every
+    # waiting poll: at 10,000 nodes, each join would wake 10,000 polls.
+    return await stored(service, waiting_reply(service.leading_job(), service.clock()))
 
 
 def beat(service: MasterService, req: HeartbeatRequest, node_secret: str | None) -> CommandReply:

@@ -44,6 +44,7 @@ from elastic.control.error_table import ErrorCode
 from elastic.control.protocol import (
     LONG_POLL_CAP_S,
 )
+from elastic.exit_codes import ExitCode
 from elastic.text import printable
 from master.job.errors import JobError
 from master.job.job import Job
@@ -52,6 +53,7 @@ from master.job.views import ReasonLog
 from master.service.event_log import EventLog
 from master.service.fault_hook import InjectedFault
 from master.service.gc_pacing import GcPacer
+from master.service.overload import CALM_S, Admission
 from master.service.settings import ServerSettings
 from master.service.supervision import MasterFailure, Supervisor
 from master.service.waiting import Notifier, StandbyHold, hold_seconds
@@ -151,6 +153,8 @@ class MasterService:
         self.settings = settings
         self.clock = clock or unix_monotonic()
         self.health = MasterHealth()  # this process's own figures, for /metrics
+        #: Heartbeats served or shed by the loop pass's budget (master.service.overload), and the overload.
+        self.admission = Admission()
         self.event_log = (
             EventLog(settings.event_log, settings.event_log_max_bytes, settings.event_log_backups)
             if settings.event_log
@@ -177,6 +181,11 @@ class MasterService:
         self._stepping_down: asyncio.Task | None = None
         #: Called once when a supervised task failed (the server then exits); see :attr:`failure`.
         self.on_failure: Callable[[], None] | None = None
+        #: ``--exit-on-job-end``: called once the job ended and its agents learned it (the server then stops
+        #: serving, and the daemon exits with :attr:`job_end_code`).
+        self.on_job_end: Callable[[], None] | None = None
+        #: The exit code of the one table (elastic.exit_codes) for the job's end; None while it runs.
+        self.job_end_code: int | None = None
         #: The serving server's connection guard, for its figures on /metrics (None when not served).
         self.connection_guard: ConnectionFigures | None = None
         self.supervisor = Supervisor(self._failed)
@@ -193,6 +202,46 @@ class MasterService:
     def start(self) -> None:
         """Start the (supervised) run loop; call inside the running event loop."""
         self._run_task = self.supervisor.spawn(self.run(), "run")
+        if self.settings.exit_on_job_end:
+            self.supervisor.spawn(self._end_with_job(), "exit-on-job-end")
+
+    def ready(self) -> bool:
+        """``GET /readyz``: this master can serve: it leads the job, or it stands by for a durable store
+        (campaigning, so that it takes over when the leader goes); never while stepping down or failed."""
+        if self.stopping or self.failure is not None or self._run_task is None or self._run_task.done():
+            return False
+        return (self.job is not None and self.store.leading) or (self.job is None and self.store.durable)
+
+    async def _end_with_job(self) -> None:
+        """``--exit-on-job-end``: once the job has an outcome (stored) and its agents had time to learn it,
+        set :attr:`job_end_code` and ask the server to stop. The agents learn the outcome from their
+        long-polls and heartbeat replies: the master lingers until no long-poll is open and no heartbeat
+        came for two heartbeat intervals, at most one heartbeat timeout (a node silent that long is dead)."""
+        while True:  # the outcome: a wake-up of the long-polls comes with it (master.job.job.Job._finish)
+            ticket = self.notifier.ticket()
+            job = self.job
+            if job is not None and job.outcome is not None:
+                break
+            await ticket.wait()
+        with contextlib.suppress(NotLeaderError):
+            await self.stored()
+        s = self.settings.job
+        ended = time.monotonic()
+        quiet_s, pace = 2 * s.heartbeat_interval_s, min(0.1, s.heartbeat_interval_s / 4)  # the tick's pace
+        heard, heard_at = self.health.heartbeats, ended
+        while time.monotonic() - ended < s.heartbeat_timeout_s:
+            now = time.monotonic()
+            if self.health.heartbeats != heard:
+                heard, heard_at = self.health.heartbeats, now
+            if self.health.long_polls_open == 0 and now - heard_at >= quiet_s:
+                break
+            await asyncio.sleep(pace)  # what it waits for is other processes' silence: no event to await
+        code, why = end_code(job)
+        log.info("the job ended: %s; exiting %d (--exit-on-job-end)", why, code)
+        self.job_end_code = code
+        if self.on_job_end is not None:
+            self.on_job_end()
+        await asyncio.Event().wait()  # a supervised task does not end on its own; the shutdown cancels it
 
     def step_down(self) -> asyncio.Task:
         """Stop leading for good, before any draining: cancel the tick and persist loops, answer every
@@ -270,6 +319,7 @@ class MasterService:
                 )
             now = self.clock()
             self._excuse_stall(now)
+            self._judge_overload(now)
             self.job.tick(now)
             if self.job.suspicion.resign_wanted:  # master.job.liveness.silent_at_once
                 self.job.suspicion.resign_wanted = False
@@ -277,6 +327,32 @@ class MasterService:
                     self._resign.set()
             self.changed()
             self._reasons.note(self.job, self.clock())
+
+    def _judge_overload(self, now: float) -> None:
+        """An overload that starts or ends (master.service.overload) is an event of the job."""
+        admission, job = self.admission, self.job
+        change = admission.judge(now, self.health.heartbeats)
+        if change is None or job is None:
+            return
+        if change:
+            message = (
+                f"master {self.master_id} is overloaded: heartbeats arrive faster than it serves them; it "
+                f"serves them in arrival order and sheds the rest (answered 429 busy; {admission.shed} shed "
+                "so far), their nodes counted alive on receipt"
+            )
+        else:
+            message = (
+                f"master {self.master_id} is no longer overloaded: it served the heartbeats of the last "
+                f"{CALM_S:g}s ({admission.shed} shed in all)"
+            )
+        job.note_overload(change, message, now)
+
+    def heard(self, node_id: str, node_secret: str) -> None:
+        """A heartbeat of ``node_id`` arrived but was shed (master.service.overload): alive at its receipt
+        if it carries the node's secret."""
+        job = self.job
+        if job is not None and self.store.leading:
+            job.heard(node_id, node_secret, self.clock())
 
     def _excuse_stall(self, now: float) -> None:
         """A tick more than :data:`STALL_S` after the previous one means the master's own loop stalled
@@ -490,11 +566,15 @@ class MasterService:
                     return result
                 if remaining <= 0:
                     return None
-                change = asyncio.ensure_future(_wait_for(ticket, remaining))
-                waiting = {change} if gone is None else {change, gone}
-                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                # One task per wait (the ticket's), the timeout a timer of asyncio.wait's: a watch renews
+                # every ~20 s per node, thousands a minute at scale (wait_for would add a task of its own).
+                change = asyncio.ensure_future(ticket.wait())
+                try:
+                    waiting = {change} if gone is None else {change, gone}
+                    await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    change.cancel()  # woken by the client going, the timeout, or this poll's own end
                 if gone is not None and gone.done():
-                    change.cancel()
                     if on_client_gone is not None:
                         on_client_gone()
                     return None
@@ -514,6 +594,33 @@ async def _first(*events: asyncio.Event) -> None:
             wait.cancel()
 
 
+def end_code(job: Job) -> tuple[int, str]:
+    """The exit code of ``elastic-master --exit-on-job-end`` for an ended job, and why (one line): 0 only
+    when the job succeeded and its newest step is durable (no node reports a persist error, and no
+    checkpoint step is newer than the newest one a node persisted; a job that persists nothing has
+    nothing to lose); a succeeded job whose newest step is not durable: 1 (retryable: started again, it
+    resumes from the newest durable step); a failed one: its outcome's code (1 retryable, 3 failed for
+    good, ...)."""
+    outcome = job.outcome
+    if outcome is None:
+        raise ValueError("the job has not ended")
+    if not outcome.succeeded:
+        return (outcome.exit_code or int(ExitCode.FAILED)), f"failed: {outcome.summary}"
+    newest, persisted = job.checkpoints.committed_step, job.checkpoints.persisted_newest
+    troubled = sorted(n.node_id for n in job.nodes.values() if n.persist_error)
+    if troubled:
+        return int(ExitCode.FAILED), (
+            f"succeeded, but the persists of node(s) {', '.join(troubled)} failed: the newest step may not "
+            "be durable (elastic-run says where each copy is kept)"
+        )
+    if persisted is not None and newest is not None and persisted < newest:
+        return int(ExitCode.FAILED), (
+            f"succeeded, but the newest step {newest} is not durable (newest persisted step {persisted})"
+        )
+    durable = f"newest step {persisted} durable" if persisted is not None else "no checkpoint persisted"
+    return int(ExitCode.SUCCESS), f"succeeded ({durable})"
+
+
 def resign_pause(interval_s: float, timeout_s: float) -> float:
     """How long a master that resigned waits before it campaigns again: two heartbeat intervals (at least
     a second), never more than the heartbeat timeout."""
@@ -525,4 +632,3 @@ def spread(timeout: float) -> float:
     round start their watches together, and without it they would all time out and poll again in the
     same instant, every time (10,000 renewals at once delayed heartbeats by 300 ms)."""
     return timeout * (1.0 - LONG_POLL_SPREAD * random.random()) if timeout >= 1.0 else timeout
-

@@ -11,6 +11,10 @@ DEFAULT_HEADER_TIMEOUT_S = 8.0
 #: Default ``--max-unauthenticated-per-address`` (master.http.conn_guard): high enough for the agents
 #: behind one NAT that (re)connect at once, each unauthenticated until its stream's upgrade is answered.
 DEFAULT_UNAUTHENTICATED_PER_ADDRESS = 256
+#: Default ``--max-unauthenticated`` (master.http.conn_guard): sixteen such addresses, or two of asyncio's
+#: accept batches on both listeners; beyond it a new connection replaces the oldest unauthenticated one.
+#: It bounds what connections without the token cost the master (~5 KiB each) whatever their addresses.
+DEFAULT_MAX_UNAUTHENTICATED = 4096
 
 
 @dataclass(frozen=True)
@@ -40,4 +44,9 @@ class ServerSettings:
     #: ``--max-unauthenticated-per-address``: connections one address may hold before they present a
     #: valid token (authenticated ones are never counted per address).
     unauthenticated_per_address: int = DEFAULT_UNAUTHENTICATED_PER_ADDRESS
+    #: ``--max-unauthenticated``: connections from all addresses together that have not presented a valid
+    #: token yet; a new one beyond it closes the oldest of them.
+    max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED
+    #: ``--exit-on-job-end``: stop serving once the job ended and its agents learned it (master.service).
+    exit_on_job_end: bool = False
     extra: dict[str, str] = field(default_factory=dict)

@@ -88,4 +88,3 @@ class MemoryStore(StateStore):
 
     async def save(self, snapshot: Snapshot) -> None:
         self._snapshot = snapshot
-

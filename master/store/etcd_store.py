@@ -322,6 +322,7 @@ class EtcdStore(EtcdTerm, StateStore):
                 await asyncio.wait_for(client.close(), 2.0)
         self._clients.clear()
 
+
 class SideLoop:
     """An event loop on a daemon thread, started on first use; :meth:`aclose` stops and joins it."""
 

@@ -108,14 +108,14 @@ def test_a_sigstopped_worker_is_declared_hung_and_the_world_restarts(launch, tmp
 
     stopped_at = time.monotonic()
     os.kill(victim, signal.SIGSTOP)
-    verdict = agent.wait_for(rf"^\[agent\.[\w.]+\] rank 1 \(local rank 1, pid {victim}\) is hung: (.*)$", 60)
+    verdict = agent.wait_for(rf"\[agent\.[\w.]+\] rank 1 \(local rank 1, pid {victim}\) is hung: (.*)$", 60)
     detected_s = time.monotonic() - stopped_at
     print(f"\nSIGSTOP: hang declared {detected_s:.2f}s after the stop (timeout {hang_timeout:g}s)")
 
     assert detected_s <= hang_timeout + HEARTBEAT_INTERVAL_S + DETECTION_SLACK_S
     assert "its process has been stopped" in verdict.group(1)
     # Named as the root cause (first), reported as a hang, and the world restarts from the checkpoint.
-    worker_failed = r"^\[master\.[\w.]+\] worker_failed: round 1: rank 1 \(local rank 1 on node \S+\) hung: "
+    worker_failed = r"\[master\.[\w.]+\] worker_failed: round 1: rank 1 \(local rank 1 on node \S+\) hung: "
     agent.wait_for(worker_failed, 30)
     agent.wait_for(r"^\[rank1\]:start rank=1 world=2 restart=1 resumed_step=\d+$", START_S)
     wait_until(lambda: not alive(victim), 20, "the stopped worker to be gone")
@@ -166,7 +166,7 @@ def test_a_worker_alive_but_without_progress_is_declared_hung_and_the_world_rest
     agent.wait_for(r"^\[rank1\]:stalling rank=1$", START_S)
     stalled_at = time.monotonic()  # the worker reported step 3 just before this line
     victim = worker_pid(agent, 1, "stalls.py")
-    verdict = agent.wait_for(rf"^\[agent\.[\w.]+\] rank 1 \(local rank 1, pid {victim}\) is hung: (.*)$", 60)
+    verdict = agent.wait_for(rf"\[agent\.[\w.]+\] rank 1 \(local rank 1, pid {victim}\) is hung: (.*)$", 60)
     detected_s = time.monotonic() - stalled_at
     print(f"\nno progress: hang declared {detected_s:.2f}s after the last step (timeout {hang_timeout:g}s)")
 
@@ -283,7 +283,7 @@ def test_node_check_excludes_a_node_whose_check_fails_and_the_job_runs_on_the_ot
         agent.descendants()
         assert agent.wait(EXIT_S) == 0, agent.output()[-4000:]
         assert re.search(
-            r"^\[agent\.[\w.]+\] node check (passed|failed at \w+: .*); matmul ", agent.output(), re.M
+            r"\[agent\.[\w.]+\] node check (passed|failed at \w+: .*); matmul ", agent.output(), re.M
         )
     rank0 = next(a for a in good if re.search(r"^\[rank0\]:done step=6$", a.output(), re.M))
     assert re.search(r"^\[rank0\]:step=1 loss=\S+ world=2$", rank0.output(), re.M)

@@ -82,5 +82,5 @@ def test_elastic_run_prints_the_progress_line_every_interval(launch, tmp_path: P
 def test_quiet_prints_no_progress_line(launch, tmp_path: Path):  # noqa: F811
     proc = run_stepper(launch, tmp_path, "--progress-interval", "0.2", "--quiet")
     assert proc.wait(60) == 0
-    assert "round 1: node rank 0" in proc.output(), "the agent ran its round"
+    assert "job succeeded" in proc.output(), "the agent ran its round"
     assert not re.search(r"progress: ", proc.output())

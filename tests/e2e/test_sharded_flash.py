@@ -147,7 +147,8 @@ def test_sharded_flash_saves_stay_in_memory_and_a_lost_node_is_restored_from_its
     # (not __0_0, which it does not read); A holds B's replica, so it lacks nothing.
     assert [r["received"] for r in results(out3, 3)] == [0, 0, sizes["__1_0.distcp"]]
 
-    # A damaged replica is refused at restore (its sha256 differs from what the sender sent).
+    # A damaged replica is refused at restore (its digest differs from the one recorded when it was
+    # received) and left out: with node B gone, no step is whole any more.
     shutil.rmtree(nodes[1])
     replica = sl.committed(nodes[0] / sl.REPLICAS_SUBDIR / "B" / sl.SHARDED_SUBDIR)[0][2]
     victim = replica / "__2_0.distcp"
@@ -159,7 +160,8 @@ def test_sharded_flash_saves_stay_in_memory_and_a_lost_node_is_restored_from_its
     with pytest.raises(AssertionError) as failed:
         run_world(2, ["sharded-load", str(bad), "-"], bad / "logs", node_env([nodes[0]], 2))
     logs = (bad / "logs" / "rank0.log").read_text()
-    assert "is damaged" in logs and "differs from the sent" in logs, str(failed.value)[-2000:]
+    assert "is damaged" in logs and "differs from the recorded" in logs, str(failed.value)[-2000:]
+    assert "no step in full" in logs, "the damaged file was left out, never loaded"
     assert json.loads((replica / sl.HASHES).read_text())["__2_0.distcp"]
 
     # Without the replica, node A holds half of every step: starting fresh would lose the job's progress.

@@ -495,6 +495,7 @@ def test_an_agent_hosting_the_master_serves_it_over_tls(launch, pki, token_file)
         "1",
         "--master",
         f"127.0.0.1:{port}",
+        "--host-master",
         "--job-id",
         unique_job_id(),
         "--token-file",

@@ -307,10 +307,14 @@ def play(call: Callable[[str, str | None, dict | None, dict | None], tuple[int, 
 
 
 def _masked_incarnation(reply: Any) -> Any:
-    """``reply`` with every ``job_incarnation`` (each master picks its own when it creates the job) masked."""
+    """``reply`` with every ``job_incarnation`` and replication key (each master picks its own when it
+    creates the job) masked."""
     if isinstance(reply, dict):
         return {
-            k: "<incarnation>" if k == "job_incarnation" else _masked_incarnation(v) for k, v in reply.items()
+            k: f"<{k}>"
+            if k in ("job_incarnation", "peer_keys", "replication_key")
+            else _masked_incarnation(v)
+            for k, v in reply.items()
         }
     if isinstance(reply, list):
         return [_masked_incarnation(v) for v in reply]

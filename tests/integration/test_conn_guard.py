@@ -6,6 +6,7 @@ wrong tokens that never touches a valid token."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import gc
 import logging
@@ -439,3 +440,80 @@ def test_a_closed_connection_is_freed_without_the_cyclic_collector(start_master)
         assert live() - before <= 1, live() - before  # at most one whose close is still being processed
     finally:
         gc.enable()
+
+
+@pytest.mark.timeout(60)
+def test_closed_refused_and_timed_out_connections_and_their_transports_are_freed_without_the_collector(
+    start_master,
+) -> None:
+    """Every kind of short connection of a flood (answered, answered 404 then idle, refused 503 at its
+    address's cap, closed at its deadline) is freed by reference counting, its asyncio transport too. Before,
+    each transport kept itself alive through its own read callback (CPython gh-100348, until Python 3.12):
+    ~2.5 KiB per connection waited for the daemon's 10-minute full collection, most of the +178 MiB a
+    20,000-connection flood over 16 addresses cost (bench/slow_clients.py)."""
+    from master.http.connection import HttpConnection
+
+    def live() -> tuple[int, int]:
+        objects = gc.get_objects()
+        return (
+            sum(isinstance(o, HttpConnection) for o in objects),
+            sum(isinstance(o, asyncio.Transport) for o in objects),
+        )
+
+    master = start_master(header_timeout_s=HEADER_TIMEOUT_S, unauthenticated_per_address=2)
+    guard = master._server.guard  # noqa: SLF001 - the test reads the server's count of connections
+    gc.collect()
+    gc.disable()
+    try:
+        before = live()
+        for _ in range(10):
+            with connect(master) as agent:
+                agent.sendall(request("/v1/status", AUTH))
+                assert read_reply(agent, 10).startswith(b"HTTP/1.1 200")
+            with connect(master) as browser, connect(master) as idle, connect(master) as refused:
+                assert read_reply(refused, 10).startswith(b"HTTP/1.1 503")  # the address's third
+                browser.sendall(request("/no-such-page", {}))
+                assert read_reply(browser, 10).startswith(b"HTTP/1.1 404")
+                browser.sendall(b"G")  # one byte of a next head: closed at its deadline
+                assert closed_by_peer(idle, 10) and closed_by_peer(browser, 10)
+        e2e.wait_until(lambda: not guard.connections, 10, "the master saw every connection close")
+        after = live()
+        # at most one of each whose close is still being processed
+        assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1, (before, after)
+    finally:
+        gc.enable()
+
+
+@pytest.mark.timeout(60)
+def test_unauthenticated_connections_are_capped_in_all_whatever_their_addresses(start_master) -> None:
+    """``max_unauthenticated`` bounds the connections without a token from all addresses together: one
+    more closes the oldest of them (before, each address could hold ``unauthenticated_per_address``, so
+    a flood's cost grew with its addresses: 16 of them held 4,096 connections). Connections that presented
+    the token are never counted nor closed, and the newcomer is served."""
+    cap = 3
+    master = start_master(max_unauthenticated=cap, header_timeout_s=30.0)
+    agents: list[socket.socket] = []
+    slow: list[socket.socket] = []
+    try:
+        for i in range(cap + 1):  # each authenticated in turn: then no longer counted
+            agents.append(connect_from(master, f"127.0.0.{i + 2}"))
+            agents[-1].sendall(request("/v1/status", AUTH))
+            assert read_reply(agents[-1], 10).startswith(b"HTTP/1.1 200")
+        for i in range(cap):  # one slowloris per address: no address is at its own cap
+            slow.append(connect_from(master, f"127.0.0.{i + 2}"))
+            slow[-1].sendall(b"GET / HTTP/1.1\r\nHo")
+        guard = master._server.guard  # noqa: SLF001 - the test reads the server's count of connections
+        e2e.wait_until(lambda: guard.unauthenticated == cap, 10, "the slow connections admitted")
+        with connect_from(master, "127.0.0.9") as newcomer:
+            assert closed_by_peer(slow[0], 10)  # the oldest made room
+            newcomer.sendall(request("/v1/status", AUTH))
+            assert read_reply(newcomer, 10).startswith(b"HTTP/1.1 200")
+        assert not any(closed_by_peer(sock, 0.2) for sock in slow[1:])  # the others are still open
+        for agent in agents:
+            agent.sendall(request("/v1/status", AUTH))
+            assert read_reply(agent, 10).startswith(b"HTTP/1.1 200")
+        metrics = httpx.get(f"http://{master.address}/metrics", headers=AUTH, timeout=10).text
+        assert f'elastic_master_connections_closed_total{{job_id="{JOB_ID}",reason="evicted"}} 1.0' in metrics
+    finally:
+        for sock in agents + slow:
+            sock.close()

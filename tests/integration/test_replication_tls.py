@@ -6,6 +6,7 @@ master) replicates in plain TCP. Real certificates generated here, a real listen
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,12 @@ from replication_saves import fake_save
 
 from agent.checkpoints.replica_server import ReplicaServer
 from agent.checkpoints.replication import Replicator
-from agent.checkpoints.replication_wire import TLS_RULE, tls_contexts
+from agent.checkpoints.replication_wire import TLS_RULE, pair_key, tls_contexts
 from elastic.checkpoint import shard_layout as sl
 from elastic.control.tls import TLSConfigError
+
+#: Node B's receiver key, as the master would hand it out.
+KEYS = secrets.token_bytes(32)
 
 
 @pytest.fixture
@@ -32,11 +36,12 @@ def push(tmp_path: Path, listener_tls, sender_tls) -> tuple[Replicator, ReplicaS
     a, b = tmp_path / "A", tmp_path / "B"
     a.mkdir()
     b.mkdir()
-    server = ReplicaServer(b, "job", "secret-token", "127.0.0.1", tls=listener_tls).start()
-    sender = Replicator(a, "job", "nodeA", "secret-token", replicas=1, lag_bound=1, tls=sender_tls).start()
+    server = ReplicaServer(b, "job", "127.0.0.1", tls=listener_tls).start()
+    server.set_key(KEYS.hex())
+    sender = Replicator(a, "job", "nodeA", replicas=1, lag_bound=1, tls=sender_tls).start()
     fake_save(a, 3, "00000000000000cc", os.urandom(1 << 20))
     sender.on_saved(3)
-    sender.set_targets([f"127.0.0.1:{server.port}"])
+    sender.set_targets([f"127.0.0.1:{server.port}"], [pair_key(KEYS, "nodeA").hex()])
     return sender, server, b
 
 

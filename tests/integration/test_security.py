@@ -6,8 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import e2e
 import pytest
 from e2e import REPO, base_env, elastic_run_argv
+
+launch = e2e.launch  # the fixture: every process tree a test launches is killed at its teardown
 
 SCRIPT = "scripts/train_script.py"
 
@@ -25,10 +28,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     "args",
     [
         ["--nnodes", "1:2", "--master", "10.255.0.1:29400"],
-        ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.255.0.1:29400"],
         ["--master", "10.255.0.1:29400,127.0.0.1:29400"],
     ],
-    ids=["master", "torchrun-c10d", "one-standby-off-loopback"],
+    ids=["master", "one-standby-off-loopback"],
 )
 def test_a_master_off_loopback_without_a_token_is_refused_before_any_connection(args: list[str]) -> None:
     # Refused while the command line is resolved: nothing is sent to the (unreachable) address.
@@ -37,6 +39,59 @@ def test_a_master_off_loopback_without_a_token_is_refused_before_any_connection(
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("elastic-run: error: "), result.stderr
     assert "--token-file" in lines[0] and "ELASTIC_TOKEN" in lines[0]
+
+
+def host_address() -> str | None:
+    """A non-loopback IPv4 address of this host (``hostname -I``), or None."""
+    import ipaddress
+    import shutil
+
+    if shutil.which("hostname") is None:
+        return None
+    out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, check=False).stdout.split()
+    for address in out:
+        ip = ipaddress.ip_address(address)
+        if ip.version == 4 and not ip.is_loopback:
+            return address
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchruns_c10d_spelling_without_a_token_runs_unauthenticated_with_one_warning_line(launch) -> None:
+    """torchrun's c10d line on an address of this host off loopback, no token: the job runs as torchrun's
+    would (before: exit 2), with one warning line naming the risk and the fix; ``elastic-master status``
+    without a token says the job is unauthenticated; ``--master`` at the same address still needs a token."""
+    from e2e import free_port, train_args
+
+    address = host_address()
+    if address is None:
+        pytest.skip("this host has no non-loopback IPv4 address (hostname -I)")
+    endpoint = f"{address}:{free_port()}"
+    env = base_env()
+    env.pop("ELASTIC_TOKEN", None)
+    job = "c10d-open"
+    argv = ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job]
+    agent = launch(elastic_run_argv(*argv, *train_args(steps=40, step_time=0.05)), "agent", env)
+    agent.wait_for(r"^\[rank0\]:step=\d+ ", 90)
+    shown = subprocess.run(
+        [sys.executable, "-m", "master", "status", "--master", endpoint, "--job-id", job],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("auth: unauthenticated (c10d, no token)"), shown.stdout
+    refused = run_cli("--nnodes", "1", "--master", endpoint, "--rdzv-id", job)
+    assert refused.returncode == 2 and "--token-file" in refused.stderr, refused.stderr
+    assert agent.wait(150) == 0, agent.output()[-3000:]
+    lines = agent.output().splitlines()
+    warnings = [line for line in lines if " WARNING " in line and not line.startswith("[rank")]
+    assert len(warnings) == 1, warnings
+    assert "unauthenticated (c10d, no token)" in warnings[0] and "--token-file" in warnings[0]
+    assert "anyone who can reach that port" in warnings[0]
 
 
 @pytest.mark.timeout(10)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from elastic.checkpoint import flash, layout
+from elastic.checkpoint import digest, flash, layout
 from elastic.checkpoint import replicated as checkpoint
 from elastic.checkpoint.flash import HEADER, MAGIC, TRAILER_SIZE
 
@@ -31,6 +31,7 @@ def flash_bytes(state: dict, step: int = 7) -> bytes:
             torch.frombuffer(buffer, dtype=torch.uint8, count=slot.nbytes, offset=slot.offset).copy_(
                 slot.source
             )
+    flash.seal(buffer, plan)  # the digest over the bytes now in place
     return bytes(buffer)
 
 
@@ -143,10 +144,13 @@ def forged(meta: dict | bytes, *, data: bytes = b"", version: int = flash.VERSIO
     size = offset + len(data) + TRAILER_SIZE
     ident = b"i" * 16
     out = bytearray(size)
-    out[: HEADER.size] = HEADER.pack(MAGIC, version, 0, 3, size, len(raw), offset, ident)
+    out[: HEADER.size] = HEADER.pack(MAGIC, version, 0, 3, size, len(raw), offset, ident, bytes(16))
     out[HEADER.size : HEADER.size + len(raw)] = raw
     out[offset : offset + len(data)] = data
     out[size - TRAILER_SIZE :] = ident
+    if version == flash.VERSION:  # a consistent digest: what is refused here is refused for its content
+        header = digest.read_header(out, size)
+        flash.write_digest(out, digest.frame_digest(out, header))
     return bytes(out)
 
 

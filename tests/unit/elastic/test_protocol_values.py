@@ -46,7 +46,9 @@ def test_each_enum_keeps_its_wire_values_and_prints_them(enum: type[Enum]) -> No
 def test_replies_serialise_the_values_as_plain_strings() -> None:
     reply = RoundReply(status="finished", round=3)
     assert reply.status is RoundStatus.FINISHED
-    assert reply.model_dump_json() == '{"status":"finished","assignment":null,"outcome":null,"round":3}'
+    assert reply.model_dump_json(include={"status", "assignment", "outcome", "round"}) == (
+        '{"status":"finished","assignment":null,"outcome":null,"round":3}'
+    )
     failure = WorkerFailure.model_validate_json('{"rank": 1, "local_rank": 0, "kind": "hang"}')
     assert failure.kind is FailureKind.HANG and '"kind":"hang"' in failure.model_dump_json()
     assert NodeCheckResult(ok=True).model_dump(mode="json")["stage"] == ""

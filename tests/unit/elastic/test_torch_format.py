@@ -33,6 +33,7 @@ def flash_bytes(state: dict[str, Any], step: int = 7) -> bytes:
             torch.frombuffer(buffer, dtype=torch.uint8, count=slot.nbytes, offset=slot.offset).copy_(
                 slot.source
             )
+    flash.seal(buffer, plan)  # the digest over the bytes now in place
     return bytes(buffer)
 
 

@@ -80,7 +80,7 @@ def test_the_first_round_is_a_check_round_and_excluded_nodes_are_told_and_left_o
     assert replies["a"].command is Command.CONTINUE  # b and c had not reported yet
     assert replies["c"].command is Command.EXCLUDE
     assert "node c was excluded from the job by the node check" in replies["c"].outcome.summary
-    assert replies["c"].outcome.exit_code == 1
+    assert replies["c"].outcome.exit_code == 4  # this node is unhealthy: replace it (the exit-code table)
     assert calls.watch(job, "c", 1).command is Command.EXCLUDE
     with pytest.raises(NodeExcludedError):
         calls.join(
