@@ -55,7 +55,14 @@ _MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
 # -- the zygote ---------------------------------------------------------------------------------------------
+#: Signals a batch system sends to every process of a job step (SLURM's ``--signal=USR1@90`` pre-emption
+#: warning reaches the agent's helpers too): meant for the agent, which outlives them; the zygote must not
+#: die of one (their default action ends a process), and its workers get the inherited disposition back.
+AGENT_ONLY_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
 def main() -> int:
+    inherited = {sig: signal.signal(sig, signal.SIG_IGN) for sig in AGENT_ONLY_SIGNALS}
     env_added = _interpreter_env_changes()
     ctrl_fd = int(os.environ.pop("_EZ_FD"))
     preload = [m for m in os.environ.pop("_EZ_PRELOAD", "torch").split(",") if m and m != "torch"]
@@ -93,6 +100,7 @@ def main() -> int:
     env_added.update({k: v for k, v in os.environ.items() if env_before.get(k) != v})
     env_removed = set(env_before) - set(os.environ)
     base = _Baseline(torch, ctrl_fd, env_added, env_removed)
+    base.signals.update(inherited)  # a worker starts with what the zygote inherited, not its SIG_IGN
     _set_cmdline([sys.executable, "-c", "# elastic-run warm-start zygote"], environ=None)
     ready = Ready(
         pid=base.pid,

@@ -66,6 +66,10 @@ def main() -> None:
     # agent's death is exactly the moment this process has work to do.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # A batch system's warning to every process of the job step (SLURM's --signal=USR1@90) is for the
+    # agent; this process must outlive the agent, and USR1/USR2 would otherwise end it.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     pgids: dict[int, int | None] = {}
     folders: set[str] = set()
     buffer = b""

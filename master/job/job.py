@@ -596,12 +596,13 @@ class Job:
         self.checkpoints.floor.reset(())
         number = self.rdzv.open_round(now, expected)
         self._wake()  # members' watches answer "rejoin"
-        data: dict[str, Any] = {}
+        # Why, and whether it was charged, as data too: agents' restart lines read them (master.job.views).
+        data: dict[str, Any] = {"why": why, "charged": counted}
         if cause is not None:
             began = now if began_at is None else min(began_at, now)
             self.recovery.verdict(cause, began, now)
             stopped = self.goodput.stopped_event(began if stopped_at is None else stopped_at)
-            data = {"steps_lost": steps_lost, **stopped}
+            data.update(steps_lost=steps_lost, **stopped)
         kind = "restart" if counted else "membership change"
         self.record(
             now,

@@ -227,7 +227,8 @@ def waiting_reply(job: Job, now: float) -> RoundReply:
     )
 
 
-#: ``round 4 opened (restart: WHY); restarts 1/3``: the message of the job's round_opened event.
+#: ``round 4 opened (restart: WHY); restarts 1/3``: the message of a round_opened event recorded by a master
+#: that did not yet put ``why`` and ``charged`` in its data (read from a store it left).
 _OPENED = re.compile(r"^round \d+ opened \((restart|membership change): (.*)\); restarts \d+/\d+$", re.S)
 #: The longest ``why`` of a :class:`RoundOpening` (a worker's message may be a whole traceback).
 WHY_MAX = 200
@@ -265,10 +266,13 @@ def _find_opening(job: Job, number: int) -> RoundOpening | None:
             if event.round != number:
                 return None
             cause = str(event.cause or "")
+            data = event.data or {}
             matched = _OPENED.match(event.message)
-            if matched is not None:
+            if "why" in data and "charged" in data:
+                counted, why = bool(data["charged"]), str(data["why"])
+            elif matched is not None:  # recorded by an earlier master, without the data: its wording says
                 counted, why = matched.group(1) == "restart", matched.group(2)
-            else:  # worded otherwise (another release's master recorded it): its cause says
+            else:  # worded otherwise: its cause says
                 counted, why = cause in (Cause.WORKER_FAILURE, Cause.HANG), event.message
             why = _short(why)
             if lost_node is not None:

@@ -3,8 +3,11 @@
 The server calls :meth:`EventLog.write` from its persist path, after the job's state holding the events was
 stored: a line is only ever written for an event the store has, so a master that takes over (which
 continues the file from the stored events, :meth:`EventLog.resume`) never writes a sequence number twice.
-A line is :meth:`master.job.events.Event.record`: ``seq, time, kind, round, node, cause, durations, data,
-message``. When a line would take the file past ``max_bytes``, the file is renamed ``FILE.1`` (``FILE.1``
+A line is the job's incarnation (``incarnation``: which submission of the job wrote it) and
+:meth:`master.job.events.Event.record`: ``seq, time, kind, round, node, cause, durations, data, message``.
+Sequence numbers are per incarnation: a new submission of the job (or a memory-store master that lost its
+state) writing to the same file starts again at 1 after the earlier lines, which it never skips over.
+When a line would take the file past ``max_bytes``, the file is renamed ``FILE.1`` (``FILE.1``
 to ``FILE.2``, ... up to ``backups`` files; the oldest is deleted) and a new ``FILE`` begins.
 """
 
@@ -32,16 +35,22 @@ class EventLog:
             raise ValueError("the event log's size bound must be positive")
         self.path, self.max_bytes, self.backups = path, max_bytes, backups
         self.last_seq = 0
+        self.incarnation = ""  # the job incarnation whose events this log continues (resume)
         self.errors = 0  # failed writes (exported as a metric; also logged)
         self._failing = False
 
-    def resume(self) -> int:
-        """Read the newest sequence number already in the log (called on becoming the leader)."""
-        self.last_seq = 0
+    def resume(self, incarnation: str = "") -> int:
+        """Read the newest sequence number already in the log for the job incarnation ``incarnation``
+        (called on becoming the leader): a previous leader's of the same incarnation is continued; the
+        last line of another incarnation (an earlier submission, a master that lost its state) means this
+        one starts at 1. A line without an incarnation (an older master's) counts as the same job."""
+        self.last_seq, self.incarnation = 0, incarnation
         for candidate in [self.path, *(f"{self.path}.{i}" for i in range(1, self.backups + 1))]:
-            seq = _last_seq(candidate)
-            if seq is not None:
-                self.last_seq = seq
+            last = _last_line(candidate)
+            if last is not None:
+                seq, written_by = last
+                same = not written_by or not incarnation or written_by == incarnation
+                self.last_seq = seq if same else 0
                 break
         return self.last_seq
 
@@ -59,7 +68,8 @@ class EventLog:
                     self.last_seq + 1,
                     event.seq - 1,
                 )
-            lines.append((event.seq, json.dumps(event.record(), separators=(",", ":")) + "\n"))
+            record = {"incarnation": self.incarnation, **event.record()}
+            lines.append((event.seq, json.dumps(record, separators=(",", ":")) + "\n"))
             self.last_seq = event.seq
         if not lines:
             return 0
@@ -102,8 +112,9 @@ class EventLog:
         os.replace(self.path, f"{self.path}.1")
 
 
-def _last_seq(path: str) -> int | None:
-    """The ``seq`` of the last complete line of ``path``; None when it has none (missing or empty)."""
+def _last_line(path: str) -> tuple[int, str] | None:
+    """``(seq, incarnation)`` of the last complete line of ``path`` (incarnation "" where the line has
+    none); None when it has no line (missing or empty)."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
@@ -114,7 +125,8 @@ def _last_seq(path: str) -> int | None:
         return None
     for line in reversed(tail.splitlines()):
         try:
-            return int(json.loads(line)["seq"])
-        except (ValueError, KeyError, TypeError):
+            record = json.loads(line)
+            return int(record["seq"]), str(record.get("incarnation") or "")
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue  # a line torn by a crash, or the cut-off first line of the tail
     return None

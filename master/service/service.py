@@ -390,7 +390,8 @@ class MasterService:
             self._led_since = now
             self._ticked_at = None
             if self.event_log is not None:
-                self.event_log.resume()  # continue the file past what a previous leader wrote
+                # continue the file past what a previous leader of this submission wrote
+                self.event_log.resume(self.job.incarnation)
             self._saved_version = -1
             log.info(
                 "master %s leads job %s (store %s)",

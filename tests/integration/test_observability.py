@@ -295,6 +295,7 @@ def test_the_event_log_appends_json_lines_once_and_continues_after_a_restart(tmp
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["seq"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert set(records[0]) == {
+        "incarnation",
         "seq",
         "time",
         "kind",
@@ -305,6 +306,25 @@ def test_the_event_log_appends_json_lines_once_and_continues_after_a_restart(tmp
         "data",
         "message",
     }
+
+
+def test_a_new_job_incarnation_on_the_same_event_log_writes_its_own_first_events(tmp_path) -> None:
+    """A resubmitted job (or a memory-store master that lost its state) numbers its events from 1 again: its
+    first events are written after the earlier submission's, never skipped as already written."""
+    path = tmp_path / "events.jsonl"
+    first = EventLog(str(path))
+    first.resume("inc-1")
+    first.write(events(1, 5))
+    standby = EventLog(str(path))
+    assert standby.resume("inc-1") == 5, "a leader of the same submission continues the file"
+    second = EventLog(str(path))
+    assert second.resume("inc-2") == 0
+    assert second.write(events(1, 3)) == 3
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["incarnation"], r["seq"]) for r in records] == [("inc-1", s) for s in range(1, 6)] + [
+        ("inc-2", s) for s in range(1, 4)
+    ]
+    assert EventLog(str(path)).resume("inc-2") == 3
 
 
 def test_the_event_log_rotates_at_its_bound_and_keeps_the_newest_files(tmp_path) -> None:

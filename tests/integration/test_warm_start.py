@@ -516,6 +516,37 @@ def test_stop_ends_warm_workers_and_the_zygote_serves_the_next_start(
     assert zygote.ready and not gone(zygote.pid or 0)
 
 
+@pytest.mark.timeout(120)
+def test_a_usr1_sent_to_every_process_of_the_step_leaves_the_zygote_serving_default_workers(
+    tmp_path: Path, leftovers: list[int]
+) -> None:
+    """SLURM's pre-emption warning (``--signal=USR1@90``) reaches every process of the job step, the
+    zygote too: it ignores USR1/USR2 (before, it died and the warm path was lost), and its workers still
+    start with the default disposition, as exec'd ones do."""
+    script = write(
+        tmp_path / "usr1.py",
+        "import signal, sys\n"
+        "sys.exit(0 if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL"
+        " and signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL else 7)\n",
+    )
+    launcher = WarmLauncher(env=BASE_ENV)
+    try:
+        assert launcher.wait_ready(ZYGOTE_READY_TIMEOUT_S)
+        assert launcher.pid is not None
+        leftovers.append(launcher.pid)
+        os.kill(launcher.pid, signal.SIGUSR1)
+        os.kill(launcher.pid, signal.SIGUSR2)
+        group = WorkerGroup(error_dir=tmp_path / "errors", launcher=launcher)
+        try:
+            spec = WorkerSpec(argv=[PY, str(script)], envs=[BASE_ENV], global_ranks=[0])
+            assert [e.returncode for e in run(group, spec, "warm")] == [0]
+        finally:
+            group.close()
+        assert not gone(launcher.pid), "the zygote outlived the signal"
+    finally:
+        launcher.close()
+
+
 # -- fallbacks ----------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_commands_the_warm_path_cannot_run_are_execd(
