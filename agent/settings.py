@@ -16,9 +16,11 @@ from elastic.control.job_settings import JobSettings
 DEFAULT_STOP_GRACE_S = 5.0
 #: How long healthy workers keep training while no master answers, before the agent gives up.
 DEFAULT_MASTER_TIMEOUT_S = 300.0
-#: A worker that has reported steps is hung after this long without a new one, or a worker process that
-#: is stopped or in disk sleep this long (agent.observe.hang); 0 turns hang verdicts off.
-DEFAULT_HANG_TIMEOUT_S = 600.0
+#: ``--hang-timeout``'s default: None, the adaptive bound (agent.observe.hang_policy: no progress for
+#: max(3 x p99 step time, 2 s) after a warm-up). An explicit value T is the fixed rule: a worker that has
+#: made steps is hung after T without a new one, or a worker process stopped or in disk sleep that long;
+#: 0 turns hang verdicts off.
+DEFAULT_HANG_TIMEOUT_S: float | None = None
 #: Signals that stop the agent (and its workers) gracefully; any other handled signal is forwarded.
 SHUTDOWN_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 #: Always handled as shutdown, listed or not: the agent's own stop signals must never kill it abruptly.
@@ -103,7 +105,7 @@ class AgentSettings:
     replication_peer_cap: int = 0
     stop_grace_s: float = DEFAULT_STOP_GRACE_S
     master_timeout_s: float = DEFAULT_MASTER_TIMEOUT_S
-    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
+    hang_timeout_s: float | None = DEFAULT_HANG_TIMEOUT_S
     cwd: str | None = None
     #: Fork restarted workers from a zygote that has imported torch (agent.warm.starter); False: always exec.
     warm_start: bool = True

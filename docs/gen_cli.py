@@ -113,9 +113,10 @@ SLURM scripts:
 - **2**: usage or settings error: fix the command. Caused by: a bad flag or value, a refused or missing
   token (a `--master` off loopback without `--token-file`), settings that disagree with the master's, a node
   id another live agent uses, an address that is not an elastic-master, a platform's incomplete variables.
-- **3**: failed for good: do not retry. Caused by: a deterministic failure (a crash loop, a recurring NaN or
-  loss spike) the job's policy declares final; the master's outcome carries it to every agent (the policy
-  issue's rules set it; `elastic-master --exit-on-job-end` exits with it too).
+- **3**: failed for good: do not retry. Caused by: a deterministic failure (a crash loop: a known start-up
+  error such as an import error, or the same failure twice with no progress in between,
+  [failures.md](failures.md#crash-loops); a recurring NaN or loss spike) the job's policy declares final; the
+  master's outcome carries it to every agent (`elastic-master --exit-on-job-end` exits with it too).
 - **4**: this node is unhealthy: replace the node. Caused by: this node excluded: flapping (lost more than
   `--flap-limit` times in `--flap-window`), a failed node check, SLURM reports it drained, down or failed
   ([slurm.md](slurm.md)), and the policies to come (suspect hardware, an evicted straggler); the job may go

@@ -10,6 +10,7 @@ in docs/testing.md); docs/quickstart.md adapts a torchrun script to them step by
 | resume the data at the exact sample, at any world size | `ElasticSampler` |
 | save and restore sharded state (FSDP, DTensor) | `save_sharded`, `load_sharded` |
 | keep the live processes through a fault (in-process recovery) | `run`, `World`, `WorldChanged` |
+| catch a corrupted replica, a NaN or a loss spike and roll back | `Guard`, `IntegrityFault` |
 | tell the agent about progress (hang and straggler checks) | `report`, `report_checkpoint`, `track_ddp` |
 
 Every call works without an agent too (plain torchrun, or one process): saves go to disk, reports are
@@ -51,12 +52,16 @@ _LAZY_ATTRS: dict[str, str] = {
     "run": "inprocess",
     "World": "inprocess",
     "WorldChanged": "inprocess",
+    "Guard": "integrity",
+    "IntegrityFault": "integrity",
 }
 _LAZY_SUBMODULES = frozenset({"distributed", "checkpoint", "sharded", "sampler", "inprocess"})
 
 __all__ = [
     "CheckpointError",
     "ElasticSampler",
+    "Guard",
+    "IntegrityFault",
     "World",
     "WorldChanged",
     "__version__",
@@ -87,6 +92,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only; at run time these resolve 
     from elastic.distributed import backend_for_device, destroy_process_group, init_process_group
     from elastic.inprocess import recovery as inprocess
     from elastic.inprocess.recovery import World, WorldChanged, run
+    from elastic.integrity import Guard, IntegrityFault
     from elastic.sampler import ElasticSampler
     from elastic.sharded import load_sharded, save_sharded
 

@@ -130,6 +130,14 @@ class ProgressKind(str, Enum):
     CKPT = "ckpt"  # the worker holds a complete checkpoint of a step
     DONE = "done"  # the worker's training is over; it is no longer judged on step progress
     CORRUPT = "corrupt"  # a copy of checkpoint ``step`` (``location``) failed its digest at restore
+    # Sent by elastic.autoprogress without user code (additive: an older agent drops what it cannot parse).
+    AUTO = "auto"  # the worker's optimizers made ``step`` steps so far (the global optimizer-step hook)
+    LIFE = "life"  # a sign of life: a forward pass ran (evaluation is not a hang); ``step`` as for auto
+    SAVE = "save"  # a checkpoint save began (elastic.save, torch.save): not a hang until it ends
+    SAVED = "saved"  # that save ended (a ``ckpt`` report ends it too)
+    # The integrity guard (elastic.integrity): a detection at ``step`` (``detail``: what and which ranks),
+    # and with ``rolled_back_to`` the in-process rollback that followed it.
+    INTEGRITY = "integrity"
 
 
 #: :class:`Progress` field -> its key on the wire.
@@ -143,6 +151,8 @@ WIRE_KEYS: dict[str, str] = {
     "persist_to": "dir",
     "save_s": "sv",
     "round": "rd",
+    "detail": "d",
+    "rolled_back_to": "rb",
 }
 
 
@@ -169,6 +179,10 @@ class Progress:
     save_s: float | None = None
     #: The worker's rendezvous round (``ELASTIC_ROUND``), fencing the persist (ckpt only).
     round: int | None = None
+    #: What the integrity guard found (integrity only): ``kind ranks=...`` (elastic.integrity.Verdict).
+    detail: str = ""
+    #: The verified step the job rolled back to after that detection (integrity only; None: not yet).
+    rolled_back_to: int | None = None
 
     def encode(self) -> bytes:
         """The datagram: compact JSON, optional fields left out when empty."""
@@ -180,6 +194,8 @@ class Progress:
             "b": self.compute_s,
             "sv": self.save_s,
             "rd": self.round,
+            "d": self.detail or None,
+            "rb": self.rolled_back_to,
         }
         message.update({k: v for k, v in optional.items() if v is not None})
         message["r"] = self.local_rank
@@ -209,6 +225,8 @@ class Progress:
                 persist_to=str(message.get("dir") or ""),
                 save_s=save_s if save_s is not None and math.isfinite(save_s) and save_s >= 0 else None,
                 round=int(message["rd"]) if "rd" in message else None,
+                detail=str(message.get("d") or ""),
+                rolled_back_to=int(message["rb"]) if "rb" in message else None,
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise MalformedDatagram(f"not a progress report: {e}") from None

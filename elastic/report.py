@@ -213,3 +213,22 @@ def report_corrupt(step: int, location: str) -> None:
     another copy. The agent's heartbeat carries it to the master (event ``checkpoint_corrupt``). Sent like
     a checkpoint report: it waits for room in the agent's queue, at most :data:`CKPT_SEND_TIMEOUT_S`."""
     _send(_progress(ProgressKind.CORRUPT, int(step), location=str(location)), reliable=True)
+
+
+def report_integrity(verdict: Any, *, rank: int, rolled_back_to: int | None = None) -> None:
+    """Tell the agent what the integrity guard found (an :class:`elastic.integrity.Verdict` with a
+    ``kind``), and with ``rolled_back_to`` the verified step the job then rolled back to in process.
+
+    Every rank's verdict is the same, so only global rank 0 and the ranks the verdict names report it
+    (each agent then knows whether one of its own workers was the odd replica). Sent like a checkpoint
+    report: it waits for room in the agent's queue, at most :data:`CKPT_SEND_TIMEOUT_S`."""
+    ranks = tuple(getattr(verdict, "ranks", ()))
+    if rank != 0 and rank not in ranks:
+        return
+    detail = f"{verdict.kind} ranks={','.join(map(str, ranks)) or '-'}" + (
+        " recurring" if getattr(verdict, "recurring", False) else ""
+    )
+    _send(
+        _progress(ProgressKind.INTEGRITY, int(verdict.step), detail=detail, rolled_back_to=rolled_back_to),
+        reliable=True,
+    )

@@ -243,9 +243,10 @@ CONTEXT = {
     "--hang-timeout",
     type=click.FloatRange(min=0),
     default=DEFAULT_HANG_TIMEOUT_S,
-    show_default=True,
-    help="A worker that reported steps and made none for this many seconds, or whose process is stopped "
-    "or in disk sleep this long, is hung: its stack is recorded and the world restarts. 0: off.",
+    help="A worker that made steps and made none for this many seconds, or whose process is stopped or in "
+    "disk sleep this long, is hung: its stack is recorded and the world restarts. 0: off. Default: adaptive, "
+    "no progress (optimizer step, forward pass) for max(3 x p99 step time, 2 s) after a warm-up (600 s "
+    "before it and during checkpoint saves; docs/failures.md).",
 )
 @click.option(
     "--no-warm-start",

@@ -42,6 +42,12 @@ log = logging.getLogger(__name__)
 
 #: Lines of each stack dump copied into the agent's log (the file has all of it).
 STACK_LOG_LINES = 60
+#: Seconds a worker may take to exit after it said its training is over (elastic.report.report_done, sent
+#: by elastic.destroy_process_group). torch 2.13's gloo can deadlock in the process group's destructor (the
+#: main thread joins gloo's threads holding the GIL, a gloo thread waits for the GIL to free a finished
+#: work), so such a worker would never exit and its job never end; its training is over, so it is stopped
+#: and counts as succeeded. Generous: a normal teardown takes well under a second.
+DONE_EXIT_GRACE_S = 30.0
 
 
 def warn_on_node_check_setting(settings: AgentSettings, info: JobInfo) -> None:
@@ -72,17 +78,30 @@ def add_stack_files(envs: list[dict[str, str]], root: Path, assignment: Assignme
 class HangMonitor:
     """Hang checks of the running workers, once per heartbeat (heartbeat thread only)."""
 
-    def __init__(self, timeout_s: float, group: WorkerGroup, channel: ProgressChannel) -> None:
-        self.timeout_s = timeout_s  # --hang-timeout; 0: no verdicts
+    def __init__(
+        self,
+        timeout_s: float | None,
+        group: WorkerGroup,
+        channel: ProgressChannel,
+        done_exit_grace_s: float = DONE_EXIT_GRACE_S,
+    ) -> None:
+        self.timeout_s = timeout_s  # --hang-timeout; 0: no verdicts; None: the adaptive bound
+        self.done_exit_grace_s = done_exit_grace_s
         self.group = group
         self.channel = channel
         self._watch: HangWatch | None = None
         self._generation = -1  # the worker generation that _watch observes
         self._reported = -1  # the worker generation whose hang was reported already
+        self._done_since: dict[int, float] = {}  # pid -> when it was first seen done (report_done) and alive
+        #: pids of workers stopped after their training was over (:data:`DONE_EXIT_GRACE_S`): their exit is a
+        #: success (read by the exit relay, another thread: a set's membership test is atomic).
+        self.finished_pids: set[int] = set()
 
     def check(self, generation: int) -> list[Hang]:
-        """The hung workers of ``generation`` (running now); empty once they were reported."""
-        if self.timeout_s <= 0 or self._reported == generation:
+        """The hung workers of ``generation`` (running now); empty once they were reported. Also stops a
+        worker whose training is over but which does not exit (:data:`DONE_EXIT_GRACE_S`)."""
+        self._stop_finished_workers(time.monotonic())
+        if self.timeout_s == 0 or self._reported == generation:
             return []
         if self._watch is None or self._generation != generation:
             self._watch, self._generation = HangWatch(self.timeout_s), generation
@@ -92,6 +111,27 @@ class HangMonitor:
         if hangs:
             self._reported = generation
         return hangs
+
+    def _stop_finished_workers(self, now: float) -> None:
+        pids = self.group.pids
+        progress = self.channel.snapshot()
+        live = {r: pids[r] for r in self.group.running() if r < len(pids)}
+        done = {r: pid for r, pid in live.items() if (p := progress.get(r)) is not None and p.done}
+        self._done_since = {pid: self._done_since.get(pid, now) for pid in done.values()}
+        for local_rank, pid in done.items():
+            if now - self._done_since[pid] < self.done_exit_grace_s or pid in self.finished_pids:
+                continue
+            self.finished_pids.add(pid)
+            log.warning(
+                "local rank %d (pid %d) said its training is over %.0f s ago but has not exited (a teardown "
+                "that never ends, e.g. torch's gloo process group destructor): stopping it; it counts as "
+                "succeeded",
+                local_rank,
+                pid,
+                now - self._done_since[pid],
+            )
+            if self.group.kill_worker(local_rank) is None:
+                self.finished_pids.discard(pid)  # it exited meanwhile, by itself
 
 
 def hang_failure(

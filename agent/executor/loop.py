@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
@@ -54,17 +54,19 @@ from agent.executor.slurm_state import SlurmNodeState
 from agent.executor.tls_trouble import TLSTrouble
 from agent.machine import events as ev
 from agent.machine.decisions import CHECK_TIMEOUT_S, AgentMachine, MachineConfig
-from agent.observe.channel import ProgressChannel
+from agent.observe.channel import ProgressChannel, RankProgress
 from agent.observe.events import event_log_for
 from agent.observe.progress import ProgressReporter, sample_agent
 from agent.settings import AgentSettings, SignalPlan
 from agent.workers.environment import worker_envs
+from agent.workers.errors_file import exception_type, known_error
 from agent.workers.group import FailureInfo, WorkerExit, WorkerGroup, WorkerGroupError, WorkerSpec
 from elastic import contract
 from elastic.control.client import MasterClient, MasterError
 from elastic.control.protocol import (
     Assignment,
     FailureKind,
+    FailurePhase,
     HeartbeatRequest,
     JoinRequest,
     LeaveRequest,
@@ -439,7 +441,7 @@ class ElasticAgent:
         )
         cause = {k: v for k, v in asdict(info).items() if k != "generic"}  # the record keeps its fields
         self.event_log.record("worker_failed", round=round_number, kind=kind.value, **cause)
-        failure = worker_failure(info, kind)
+        failure = worker_failure(info, kind, self.channel.snapshot())
         self.view = NodeView(state=NodeState.FAILED, round=round_number, failure=failure, failed_at=seen_at)
         return self._heartbeat_now("failure report")
 
@@ -456,9 +458,9 @@ class ElasticAgent:
 
     def _exit_relay(self, generation: int) -> Callable[[WorkerExit], None]:
         def relay(exit_: WorkerExit) -> None:
-            self.events.put(
-                ev.WorkerExited(exit_.local_rank, exit_.succeeded, exit_.seen_at, exit_, generation)
-            )
+            # A worker stopped after its training was over (health.DONE_EXIT_GRACE_S) succeeded.
+            succeeded = exit_.succeeded or exit_.pid in self.hangs.finished_pids
+            self.events.put(ev.WorkerExited(exit_.local_rank, succeeded, exit_.seen_at, exit_, generation))
 
         return relay
 
@@ -560,16 +562,38 @@ def round_line(assignment: Assignment, nproc: int) -> str:
     )
 
 
-def worker_failure(info: FailureInfo, kind: FailureKind) -> WorkerFailure:
-    """The failure a heartbeat reports for ``info``."""
+def worker_failure(
+    info: FailureInfo, kind: FailureKind, progress: Mapping[int, RankProgress] | None = None
+) -> WorkerFailure:
+    """The failure a heartbeat reports for ``info``; ``progress``: the failed group's progress by local rank
+    (agent.observe.channel), which tells where in the round it failed (:class:`FailurePhase`). The failed
+    worker's own steps decide (a deterministic fault fails it at the same point every time; how far its
+    peers got by then is a matter of timing): a step reported, ``steady``; none, but another local worker
+    reported one, ``first_step``; none on the node, ``startup``."""
+    # A message that only restates the signal or exit code repeats those fields: keep real ones only.
+    message = "" if info.generic else info.message[-8000:]
+    # Set only when known (the client sends set fields only): a master of an earlier release refuses them.
+    extra: dict[str, Any] = {}
+    if progress:
+        own = progress.get(info.local_rank)
+        if own is not None and own.step is not None:
+            extra.update(phase=FailurePhase.STEADY, step=own.step)
+        elif any(p.step is not None for p in progress.values()):
+            extra["phase"] = FailurePhase.FIRST_STEP
+        else:
+            extra["phase"] = FailurePhase.STARTUP
+    if message and (found := exception_type(message)):
+        extra["exception"] = found
+    if message and (kind_of := known_error(message)):
+        extra["known_error"] = kind_of
     return WorkerFailure(
         rank=info.global_rank,
         local_rank=info.local_rank,
         exit_code=info.exit_code,
         signal=info.signal,
-        # A message that only restates the signal or exit code repeats those fields: keep real ones only.
-        message="" if info.generic else info.message[-8000:],
+        message=message,
         kind=kind,
+        **extra,
     )
 
 

@@ -12,6 +12,13 @@ checkpoint report that carries the save's duration (seconds) adds it to :attr:`s
 :class:`LatencyHistogram` (cumulative buckets, as Prometheus exposes them) that :mod:`agent.observe.metrics`
 reads when Prometheus scrapes. The datagram's form is :class:`elastic.contract.Progress`.
 
+Progress without user code (:mod:`elastic.autoprogress`): ``auto`` reports (optimizer steps counted by a
+global hook) advance the step as ``step`` reports do, until the rank sends its first explicit ``step``
+report (``elastic.report``): from then on explicit steps win and ``auto`` reports are only signs of life.
+``life`` (a forward pass), ``save``/``saved`` (a checkpoint save's start and end) feed the adaptive hang
+bound (:mod:`agent.observe.hang_policy`): when each rank last showed life, whether a save is in progress,
+and its recent step durations (:data:`DURATION_WINDOW`, intervals that contain a save left out).
+
 Workers send checkpoint reports with a blocking send (see :mod:`elastic.report`): while this thread
 is stalled they wait in the kernel's queue instead of being dropped.
 """
@@ -30,9 +37,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from agent.observe.hang_policy import DEFAULT_POLICY
 from elastic.contract import MAX_DATAGRAM_BYTES, MalformedDatagram, Progress, ProgressKind
 
 RECENT_STEPS = 20
+#: Step durations kept per rank for the adaptive hang bound: its p99 window.
+DURATION_WINDOW = DEFAULT_POLICY.window
 #: Upper bounds (seconds) of the checkpoint-save histogram's buckets; +Inf is implied. An in-memory save
 #: takes milliseconds for a small model and seconds for tens of GiB.
 SAVE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -52,6 +62,18 @@ class RankProgress:
     done: bool = False
     #: When its first step report arrived (the master's recovery phase ``first_step`` ends there).
     first_step_at: float | None = None
+    #: The rank sent an explicit step report (elastic.report): its ``auto`` reports no longer count as steps.
+    explicit: bool = False
+    #: Step durations for the adaptive hang bound (the first step and intervals with a save left out).
+    durations: deque[float] = field(default_factory=lambda: deque(maxlen=DURATION_WINDOW))
+    #: The last sign of life (a forward pass, or an optimizer step of a rank whose explicit steps win).
+    alive_at: float | None = None
+    #: A checkpoint save in progress began then (None: none).
+    saving_since: float | None = None
+    #: The last checkpoint save ended then.
+    resumed_at: float | None = None
+    #: The interval since the last step contains a save: its duration is not a step time.
+    interrupted: bool = False
 
     @property
     def step_time_s(self) -> float | None:
@@ -100,6 +122,12 @@ class ProgressChannel:
                     deque(p.compute_times),
                     p.done,
                     p.first_step_at,
+                    p.explicit,
+                    deque(p.durations),
+                    p.alive_at,
+                    p.saving_since,
+                    p.resumed_at,
+                    p.interrupted,
                 )
                 for r, p in self._ranks.items()
             }
@@ -160,24 +188,55 @@ class ProgressChannel:
         except Exception:  # a failing callback must not stop progress reports
             log.exception("corruption callback failed for local rank %d step %d", rank, step)
 
-    def _apply(self, rank: int, kind: ProgressKind, step: int, compute: float | None = None) -> bool:
+    def record(self, rank: int, kind: ProgressKind, step: int, *, now: float) -> bool:
+        """Record a report as if received at ``now`` (replays of recorded series: bench/hangs.py, tests)."""
+        return self._apply(rank, kind, step, now=now)
+
+    def _apply(
+        self, rank: int, kind: ProgressKind, step: int, compute: float | None = None, now: float | None = None
+    ) -> bool:
         """Record a report; False when it is of no current local rank."""
-        now = time.monotonic()
+        now = time.monotonic() if now is None else now
         with self._lock:
             progress = self._ranks.get(rank)
             if progress is None:
                 return False
-            if kind is ProgressKind.STEP:
+            if kind is ProgressKind.AUTO and progress.explicit:
+                kind = ProgressKind.LIFE  # explicit steps win; an optimizer step still shows life
+            if kind is ProgressKind.STEP and not progress.explicit:
+                # The first explicit report: the hook's count (from 0 in this process) is not the script's
+                # step (a resumed run reports 1001 after one optimizer step; another counts from 0), so the
+                # step restarts at the script's and no duration spans the switch.
+                progress.explicit = True
+                if progress.step is not None:
+                    progress.step_times.clear()
+                    progress.durations.clear()
+                    progress.step, progress.advanced_at, progress.interrupted = step, now, False
+                    progress.saving_since = None
+            if kind in (ProgressKind.STEP, ProgressKind.AUTO):
                 if progress.step is None or step > progress.step:
                     if progress.step is not None:
-                        progress.step_times.append((now - progress.advanced_at) / (step - progress.step))
+                        duration = (now - progress.advanced_at) / (step - progress.step)
+                        progress.step_times.append(duration)
+                        if not progress.interrupted:
+                            progress.durations.append(duration)
                     progress.step, progress.advanced_at = step, now
+                    progress.interrupted, progress.saving_since = False, None
                     if progress.first_step_at is None:
                         progress.first_step_at = now
                     if compute is not None and compute >= 0:
                         progress.compute_times.append(compute)
-            elif kind is ProgressKind.CKPT and (progress.ckpt_step is None or step > progress.ckpt_step):
-                progress.ckpt_step = step
+            elif kind is ProgressKind.LIFE:
+                progress.alive_at = now
+            elif kind is ProgressKind.SAVE:
+                progress.saving_since, progress.interrupted = now, True
+            elif kind is ProgressKind.SAVED:
+                progress.saving_since, progress.resumed_at = None, now
+            elif kind is ProgressKind.CKPT:
+                if progress.saving_since is not None:  # elastic.save's report ends its save
+                    progress.saving_since, progress.resumed_at = None, now
+                if progress.ckpt_step is None or step > progress.ckpt_step:
+                    progress.ckpt_step = step
             elif kind is ProgressKind.DONE:
                 progress.done = True
         return True

@@ -1,6 +1,13 @@
 """Hang verdicts: which of this node's workers are hung, and why.
 
-A worker is *hung* when, with ``--hang-timeout T`` (0 turns verdicts off):
+Without ``--hang-timeout`` (the default) the limit adapts to each worker's own steps: a worker is hung when
+it makes no progress (no step, no forward pass, outside a checkpoint save) for ``max(3 x p99 step time,
+2 s)`` after a warm-up, and its process-state limit is the same bound; see :mod:`agent.observe.hang_policy`
+for the exact rule (what trips it and what does not). Steps come from ``elastic.report`` or, without user
+code, from the optimizer-step hook of :mod:`elastic.autoprogress`.
+
+A worker is *hung* when, with an explicit ``--hang-timeout T`` (0 turns verdicts off; the meaning of
+releases before the adaptive bound, steps of the optimizer-step hook included):
 
 * it has reported at least one step (``elastic.report``) and its step has not advanced for ``T`` while
   its process is alive; or
@@ -31,6 +38,7 @@ from dataclasses import dataclass
 import psutil
 
 from agent.observe.channel import RankProgress
+from agent.observe.hang_policy import DEFAULT_POLICY, AdaptiveHangPolicy, RankClock, verdict_limit
 
 STOPPED_STATES = frozenset({psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP})
 STUCK_STATES = STOPPED_STATES | {psutil.STATUS_DISK_SLEEP}
@@ -45,6 +53,10 @@ class WorkerObservation:
     advanced_at: float  # monotonic time of the last step advance (the worker's start before any)
     status: str | None = None  # psutil status now (None: unknown)
     stuck_since: float | None = None  # since when it has been in a stopped/disk-sleep state (None: it is not)
+    #: This worker's own limit (the adaptive bound), instead of the fixed timeout; None: the fixed one.
+    limit_s: float | None = None
+    #: How ``limit_s`` was chosen, for the verdict's reason (e.g. ``adaptive bound 2s = max(...)``).
+    rule: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,16 +81,19 @@ def hung_workers(now: float, timeout_s: float, observations: Iterable[WorkerObse
     found: list[tuple[tuple, Hang]] = []
     stuck_peers: list[tuple[WorkerObservation, float]] = []  # (observation, seconds stuck)
     for o in observations:
+        limit_s = o.limit_s if o.limit_s is not None else timeout_s
         stuck_s = now - o.stuck_since if o.status in STUCK_STATES and o.stuck_since is not None else None
         idle_s = now - o.advanced_at if o.step is not None else None
-        stuck = stuck_s is not None and stuck_s >= timeout_s
-        idle = idle_s is not None and idle_s >= timeout_s
+        stuck = stuck_s is not None and stuck_s >= limit_s
+        idle = idle_s is not None and idle_s >= limit_s
         if not (stuck or idle):
             if stuck_s is not None:
                 stuck_peers.append((o, stuck_s))
             continue
         parts = []
-        if idle_s is not None and idle:
+        if idle_s is not None and idle and o.limit_s is not None:
+            parts.append(f"no progress for {idle_s:.1f}s (last step {o.step}; {o.rule})")
+        elif idle_s is not None and idle:
             parts.append(f"no step for {idle_s:.1f}s (last step {o.step}; --hang-timeout {timeout_s:g}s)")
         if stuck_s is not None:
             state = "stopped" if o.status in STOPPED_STATES else "in uninterruptible disk sleep"
@@ -103,10 +118,14 @@ def hung_workers(now: float, timeout_s: float, observations: Iterable[WorkerObse
 
 
 class HangWatch:
-    """Observes one worker generation: psutil states with the time each stuck state was first seen."""
+    """Observes one worker generation: psutil states with the time each stuck state was first seen.
 
-    def __init__(self, timeout_s: float) -> None:
+    ``timeout_s``: the fixed ``--hang-timeout`` (0: no verdicts), or None for the adaptive bound of
+    ``policy`` (each worker's own, from its recorded steps)."""
+
+    def __init__(self, timeout_s: float | None, policy: AdaptiveHangPolicy = DEFAULT_POLICY) -> None:
         self.timeout_s = timeout_s
+        self.policy = policy
         self._stuck: dict[int, float] = {}  # pid -> first check that saw it stopped or in disk sleep
 
     def observe(
@@ -126,20 +145,43 @@ class HangWatch:
             else:
                 self._stuck.pop(pid, None)
                 since = None
-            p = progress.get(local_rank)
             observations.append(
-                WorkerObservation(
-                    local_rank,
-                    p.step if p and not p.done else None,
-                    p.advanced_at if p else now,
-                    status,
-                    since,
-                )
+                observe_progress(now, local_rank, progress.get(local_rank), status, since, self.adaptive)
             )
         return observations
 
+    @property
+    def adaptive(self) -> AdaptiveHangPolicy | None:
+        """The adaptive policy in force; None with a fixed timeout."""
+        return self.policy if self.timeout_s is None else None
+
     def check(self, now: float, progress: Mapping[int, RankProgress], pids: Mapping[int, int]) -> list[Hang]:
         """The hung workers now (see :func:`hung_workers`)."""
-        if self.timeout_s <= 0:
+        if self.timeout_s is not None and self.timeout_s <= 0:
             return []
-        return hung_workers(now, self.timeout_s, self.observe(now, progress, pids))
+        timeout_s = self.policy.fallback_s if self.timeout_s is None else self.timeout_s
+        return hung_workers(now, timeout_s, self.observe(now, progress, pids))
+
+
+def observe_progress(
+    now: float,
+    local_rank: int,
+    p: RankProgress | None,
+    status: str | None = None,
+    stuck_since: float | None = None,
+    adaptive: AdaptiveHangPolicy | None = None,
+) -> WorkerObservation:
+    """One worker's observation from its progress; with ``adaptive``, its own limit (the adaptive rule)."""
+    step = p.step if p is not None and not p.done else None
+    advanced_at = p.advanced_at if p is not None else now
+    limit_s, rule = None, ""
+    if adaptive is not None and p is not None and step is not None:
+        limit = verdict_limit(_clock(p), adaptive)
+        if limit is not None:
+            advanced_at, limit_s, rule = limit.since, limit.limit_s, limit.rule
+    return WorkerObservation(local_rank, step, advanced_at, status, stuck_since, limit_s, rule)
+
+
+def _clock(p: RankProgress) -> RankClock:
+    """The adaptive rule's view of one rank's progress."""
+    return RankClock(p.advanced_at, tuple(p.durations), p.alive_at, p.saving_since, p.resumed_at)

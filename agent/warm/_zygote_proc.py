@@ -100,7 +100,9 @@ def main() -> int:
     env_added.update({k: v for k, v in os.environ.items() if env_before.get(k) != v})
     env_removed = set(env_before) - set(os.environ)
     base = _Baseline(torch, ctrl_fd, env_added, env_removed)
-    base.signals.update(inherited)  # a worker starts with what the zygote inherited, not its SIG_IGN
+    for sig, handler in inherited.items():  # a worker starts with what the zygote inherited, not SIG_IGN
+        if handler is not None:
+            base.signals[sig] = handler
     _set_cmdline([sys.executable, "-c", "# elastic-run warm-start zygote"], environ=None)
     ready = Ready(
         pid=base.pid,

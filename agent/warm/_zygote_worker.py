@@ -14,7 +14,8 @@ generator seeded as a fresh process seeds it: at random in torch >= 2.x, else th
 intra-op threads from ``OMP_NUM_THREADS``, the interpreter's exit behaviour (``Py_Exit``: non-daemon
 threads joined, atexit, module teardown, stdio flushed; SystemExit codes and messages, an uncaught
 exception's traceback and exit 1, KeyboardInterrupt -> death by SIGINT) and ``/proc/<pid>/cmdline`` and
-``environ`` showing the worker's command and environment (for ps, psutil and monitoring).
+``environ`` showing the worker's command and environment (for ps, psutil and monitoring), and the progress
+hooks of ``elastic.autoprogress`` installed (an exec'd worker's sitecustomize installs the same).
 
 What stays different, by nature of a fork: a worker of non-zero rank waits until rank 0's TCPStore listens
 before torch connects to it (the zygote wraps ``torch.distributed.rendezvous._create_c10d_store``; torch's own
@@ -73,7 +74,7 @@ class _Baseline:
         self.env_removed = env_removed
         # File descriptors that the import left open (libraries' own); every other one is closed in a worker.
         self.fds = _open_fds() - {ctrl_fd}
-        self.signals = {}
+        self.signals: dict[int, Any] = {}  # signal number -> the handler a fresh interpreter has
         for sig in signal.valid_signals():
             if sig in (signal.SIGKILL, signal.SIGSTOP):
                 continue
@@ -142,6 +143,7 @@ def _become_worker(
         _reset_process_state(env, base)
         _new_stdio(req.unbuffered, base)
         run = _prepare_main(req)
+        _install_progress_hooks(base)
     except BaseException:  # noqa: BLE001 - report anything, then exit like a failed start
         with contextlib.suppress(BaseException):
             text = "elastic-run warm start: worker set-up failed:\n" + traceback.format_exc()
@@ -205,6 +207,17 @@ def _reset_process_state(env: dict, base: _Baseline) -> None:
     if threads != base.env.get("OMP_NUM_THREADS") and threads is not None:
         # OpenMP read OMP_NUM_THREADS when torch was imported in the zygote; apply the worker's value.
         torch.set_num_threads(int(threads))
+
+
+def _install_progress_hooks(base: _Baseline) -> None:
+    """The progress hooks of elastic.autoprogress (optimizer steps, forward passes, saves), registered before
+    the user's code runs, as the exec path's sitecustomize does; imported here, in the worker (the zygote
+    imports nothing of the library). Never fails the start: without the library, no hooks."""
+    try:
+        autoprogress = importlib.import_module("elastic.autoprogress")
+        autoprogress.install(base.torch)
+    except Exception:  # noqa: BLE001 - progress is advisory: the worker runs regardless
+        pass
 
 
 def _new_stdio(unbuffered: bool, base: _Baseline) -> None:

@@ -60,6 +60,7 @@ from agent.workers.launchers import Launcher, WorkerProcess, make_child_setup
 from agent.workers.reaper import Reaper
 from agent.workers.types import LauncherUnavailable, WorkerSpec
 from elastic import contract
+from elastic.autoprogress import without_site_path
 from elastic.contract import OMP_NUM_THREADS, TORCHRUN_VARIABLES
 
 __all__ = [
@@ -102,6 +103,8 @@ def env_difference(zygote_env: Mapping[str, str], worker_env: Mapping[str, str])
         value = worker_env.get(key)
         if value == zygote_env.get(key):
             continue
+        if key == "PYTHONPATH" and (without_site_path(value) or "") == (zygote_env.get(key) or ""):
+            continue  # only the exec path's sitecustomize folder: a warm worker gets the zygote's hooks
         if key == OMP_NUM_THREADS:
             if value is None or not value.isdigit() or int(value) < 1:
                 differ.append(key)

@@ -1,5 +1,8 @@
 """The worker environment: torchrun's contract, so unmodified torchrun scripts work.
 
+``PYTHONPATH`` gets :data:`elastic.autoprogress.SITE_DIR` first: its ``sitecustomize`` installs the progress
+hooks (optimizer steps, forward passes, saves) in exec'd workers before their script runs.
+
 Our own additions are prefixed ``ELASTIC_``; every name is a constant of :mod:`elastic.contract`.
 ``TORCHELASTIC_ERROR_FILE`` is added by the worker group, which owns the per-attempt error files.
 """
@@ -10,6 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from elastic import contract as c
+from elastic.autoprogress import with_site_path
 
 if TYPE_CHECKING:  # only for annotations: the warm zygote side imports CONTRACT without pydantic
     from elastic.control.protocol import Assignment
@@ -63,5 +67,8 @@ def worker_envs(
         if c.OMP_NUM_THREADS not in base and nproc > 1:
             env[c.OMP_NUM_THREADS] = "1"
         env.update(extra or {})
+        # The exec path's sitecustomize installs the progress hooks (elastic.autoprogress) before the
+        # script runs; a warm worker gets them from the zygote (agent.warm.starter ignores this difference).
+        env["PYTHONPATH"] = with_site_path(env)
         envs.append(env)
     return envs

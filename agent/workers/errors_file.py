@@ -94,6 +94,45 @@ def message_from_stderr(lines: Iterable[str]) -> str | None:
     return truncate(stripped[-1]) if stripped else None
 
 
+# -- what kind of failure a message says: the master's crash-loop policy compares them -------------------
+# The type of an exception line, without its module path: "torch.distributed.DistBackendError: x" ->
+# "DistBackendError".
+_EXCEPTION_TYPE = re.compile(
+    r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Failure))\b"
+)
+#: Known deterministic start-up errors: kind -> the exception types (or message patterns) that show it.
+#: Restarting never fixes them; the master stops the job at the first one (docs/failures.md, "Crash loops").
+_KNOWN_TYPES = {
+    "import": ("ModuleNotFoundError", "ImportError"),
+    "syntax": ("SyntaxError", "IndentationError", "TabError"),
+    "missing_file": ("FileNotFoundError",),
+}
+_KNOWN_PATTERNS = (
+    # python itself, for a script that is not there: "python: can't open file '/x/t.py': [Errno 2] ..."
+    ("missing_file", re.compile(r"can't open file .*\[Errno 2\] No such file or directory")),
+    # elastic.save (elastic/checkpoint/replicated.py, shard_save.py): the checkpoint does not fit /dev/shm
+    ("shm_too_small", re.compile(r"not enough shared memory for the (?:sharded )?checkpoint")),
+)
+
+
+def exception_type(message: str) -> str:
+    """The exception type a root-cause message (:func:`message_from_stderr`) starts with, without its
+    module path (``ModuleNotFoundError``); empty when it names none."""
+    match = _EXCEPTION_TYPE.match(message.strip())
+    return match.group(1) if match else ""
+
+
+def known_error(message: str) -> str:
+    """The kind of known deterministic start-up error ``message`` shows (``import``, ``syntax``,
+    ``missing_file``, ``shm_too_small``), or empty. Whether it stops the job at once is the master's
+    decision (it also weighs where in the round the failure came: master.job.crash_loop)."""
+    for kind, pattern in _KNOWN_PATTERNS:
+        if pattern.search(message):
+            return kind
+    found = exception_type(message)
+    return next((kind for kind, types in _KNOWN_TYPES.items() if found in types), "")
+
+
 def truncate(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     """Cut ``message`` to ``limit`` characters, marking the cut."""
     return message if len(message) <= limit else message[: limit - 3] + "..."

@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -247,6 +248,21 @@ class WorkerGroup:
                 w.proc.send_signal(sig)
                 sent.append(w.proc.pid)
         return sent
+
+    def kill_worker(self, local_rank: int) -> int | None:
+        """SIGKILL one running worker (not its children: its exit ends them, as for any worker exit); its
+        pid, or None when it is not running. Safe under PID reuse, as :meth:`signal_workers`."""
+        with self._lock:
+            live = [] if self._stopping else [w for w in self._workers if w.returncode is None]
+        for w in live:
+            if w.local_rank != local_rank:
+                continue
+            if w.ref is not None:
+                return w.proc.pid if w.ref.signal(signal.SIGKILL) else None
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                w.proc.send_signal(signal.SIGKILL)
+                return w.proc.pid
+        return None
 
     def failure_info(self, exit: WorkerExit) -> FailureInfo:
         """Root cause of the worker exit ``exit``, which must come from this group's last ``start()``.

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from elastic import collectives, errors
+from elastic import autoprogress, collectives, errors
 from elastic.checkpoint import flash, layout, segments
 from elastic.checkpoint.digest import CheckpointCorruptError
 from elastic.checkpoint.env import (
@@ -126,6 +126,7 @@ def save(
     check_args(state, step)
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
+    autoprogress.save_started()  # not a hang while it saves; its checkpoint report ends the save
     shm_dir = os.environ.get(SHM_DIR_ENV)
     if shm_dir:
         return _flash_save(state, step, Path(shm_dir), ckpt_dir, persist)

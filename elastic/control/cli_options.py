@@ -14,7 +14,7 @@ from elastic.control import job_settings as ms
 
 def job_policy_options(*, embedded: bool) -> Callable:
     """Decorator adding --node-unit, --last-call, --join-timeout, --heartbeat-interval/-timeout,
-    --straggler-factor, --node-check and --node-check-factor."""
+    --straggler-factor, --node-check, --node-check-factor, --stop-on-startup-error and --crash-loop-window."""
     prefix = "Embedded master: " if embedded else ""
     node_check_hint = (
         " Right before the script, write --node-check=on. With elastic-master, set it there."
@@ -78,6 +78,22 @@ def job_policy_options(*, embedded: bool) -> Callable:
             ms.DEFAULT_NODE_CHECK_FACTOR,
             prefix + "a node whose check figures exceed this many times the nodes' median counts as slow.",
         ),
+        click.option(
+            "--stop-on-startup-error/--no-stop-on-startup-error",
+            default=True,
+            show_default=True,
+            help=prefix + "stop the job at once, exit 3, at a known deterministic start-up error (import or "
+            "syntax error, missing file, /dev/shm smaller than the checkpoint); off: charge it as a restart "
+            "(files that appear late, such as network mounts at pod start).",
+        ),
+        click.option(
+            "--crash-loop-window",
+            type=click.FloatRange(min=0),
+            default=ms.DEFAULT_CRASH_LOOP_WINDOW_S,
+            show_default=True,
+            help=prefix + "stop the job, exit 3, when the same failure recurs within this many seconds with "
+            "no progress in between (a crash loop: docs/failures.md); 0 turns this off.",
+        ),
     ]
 
     def decorate(command: Callable) -> Callable:
@@ -106,6 +122,8 @@ def job_settings_from(
         "straggler_factor": opts["straggler_factor"],
         "node_check": opts["node_check"],
         "node_check_factor": opts["node_check_factor"],
+        "stop_on_startup_error": opts["stop_on_startup_error"],
+        "crash_loop_window_s": opts["crash_loop_window"],
     }
     try:
         return ms.JobSettings(job_id=job_id, min_nodes=min_nodes, max_nodes=max_nodes, **{**mapped, **fields})

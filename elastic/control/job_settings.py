@@ -32,6 +32,11 @@ DEFAULT_NODE_CHECK_FACTOR = 3.0
 DEFAULT_FLAP_LIMIT = 3
 DEFAULT_FLAP_WINDOW_S = 300.0
 DEFAULT_FLAP_COOLDOWN_S = 600.0
+#: Crash loops (docs/failures.md, master.job.crash_loop): the same failure twice within this many seconds,
+#: with no progress in between, stops the job as deterministic (exit 3). A restart of a large job (restore,
+#: compile, data loading) takes minutes, so a loop's failures can be that far apart; failures further
+#: apart are charged as usual (the restart budget still bounds them).
+DEFAULT_CRASH_LOOP_WINDOW_S = 600.0
 
 
 class SettingsError(errors.UsageError, ValueError):
@@ -78,6 +83,11 @@ class JobSettings:
     flap_limit: int = DEFAULT_FLAP_LIMIT
     flap_window_s: float = DEFAULT_FLAP_WINDOW_S
     flap_cooldown_s: float = DEFAULT_FLAP_COOLDOWN_S
+    #: A known deterministic start-up error (import, syntax, missing file, /dev/shm too small) stops the
+    #: job at its first occurrence; False charges it as a restart (files that appear late: network mounts).
+    stop_on_startup_error: bool = True
+    #: 0 turns the repeat rule of the crash-loop policy off (master.job.crash_loop).
+    crash_loop_window_s: float = DEFAULT_CRASH_LOOP_WINDOW_S
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -95,6 +105,8 @@ class JobSettings:
         for name in ("join_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "rejoin_timeout_s"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be > 0")
+        if self.crash_loop_window_s < 0:
+            raise SettingsError(f"--crash-loop-window must be >= 0 (0: off), got {self.crash_loop_window_s}")
         if self.flap_limit < 0:
             raise SettingsError(f"--flap-limit must be >= 0 (0: off), got {self.flap_limit}")
         for name in ("flap_window_s", "flap_cooldown_s"):

@@ -122,6 +122,15 @@ class FailureKind(WireEnum):
     HANG = "hang"  # it reported no progress for the hang timeout (or its process is stopped)
 
 
+class FailurePhase(WireEnum):
+    """Where in its round a worker failed (:attr:`WorkerFailure.phase`), from the steps reported to its
+    agent since the workers started (master.job.crash_loop compares failures by it)."""
+
+    STARTUP = "startup"  # no local worker had reported a step: imports, set-up, restore, the first step
+    FIRST_STEP = "first_step"  # the failed worker had reported no step, another local worker had
+    STEADY = "steady"  # the failed worker had reported a step
+
+
 class NodeCheckStage(WireEnum):
     """Where a node's health check failed (:attr:`NodeCheckResult.stage`); ``PASSED`` when it did not.
 
@@ -182,6 +191,22 @@ class WorkerFailure(_Model):
         ge=0,
         description="Seconds since the agent saw the failure (the worker's exit, or a hung worker's last "
         "progress) when it sent this report: where the master's recovery phase 'detect' starts.",
+    )
+    # Additive (an agent sends them only when it knows them): what the master's crash-loop policy compares.
+    phase: FailurePhase | None = Field(default=None, description="Where in the round the workers failed.")
+    step: int | None = Field(
+        default=None, ge=0, description="Newest step the failed worker had reported in this round."
+    )
+    exception: str = Field(
+        default="",
+        max_length=256,
+        description="Type of the exception in ``message`` (``ModuleNotFoundError``), when it names one.",
+    )
+    known_error: str = Field(
+        default="",
+        max_length=64,
+        description="A known deterministic start-up error the agent recognised in ``message`` "
+        "(agent.workers.errors_file.known_error): import, syntax, missing_file or shm_too_small.",
     )
 
 
@@ -550,6 +575,11 @@ class JobStatus(_Reply):
     )
     events: list[StatusEvent] = Field(
         default_factory=list, description="The job's most recent events, oldest first."
+    )
+    crash_loop: str = Field(
+        default="",
+        description="Why the job was stopped as deterministic (crash loop): the root cause and the rule "
+        "(master.job.crash_loop); empty unless it was.",
     )
 
 

@@ -40,7 +40,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from elastic import contract
@@ -49,7 +49,8 @@ from elastic.inprocess import wire
 from elastic.inprocess.link import AgentGone, AgentLink
 from elastic.inprocess.pg_control import GroupControl
 from elastic.inprocess.state import Committed, Stateful, agree
-from elastic.report import rearm_stack_dump, report
+from elastic.integrity.guard import Guard, IntegrityFault
+from elastic.report import rearm_stack_dump, report, report_integrity
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ def run(
     timeout_s: float | None = None,
     leave_grace_s: float = DEFAULT_LEAVE_GRACE_S,
     reform_timeout_s: float = DEFAULT_REFORM_TIMEOUT_S,
+    guard: Guard | None = None,
 ) -> T:
     """Run ``train`` in this process until it returns, re-forming the group around it after each fault.
 
@@ -138,6 +140,12 @@ def run(
             the group; one and a half last steps when longer, at most 0.8 s.
         reform_timeout_s: how long re-forming the group after a fault may take; past it this process ends
             and the agent falls back to restarting processes.
+        guard: the :class:`elastic.Guard` that ``train`` calls after each step. When it raises
+            :class:`elastic.IntegrityFault`, every rank rolls back in process to the guard's newest verified
+            step: ``elastic.load(step=...)`` restores it into ``state`` (save the objects of ``state`` under
+            the same keys, e.g. ``{name: obj.state_dict() for name, obj in state.items()}``, and tell the
+            guard with ``guard.saved(step)``) and ``train`` is called again from there (docs/integrity.md).
+            A fault with no verified step, or one that recurs at the same step, ends the process.
 
     Returns:
         What ``train`` returned. The process group is left formed (destroy it when done).
@@ -154,11 +162,18 @@ def run(
     link = AgentLink.connect(leave_grace_s, control.release)
     committed = Committed(state, step)
     recovering = False
+    world: World | None = None
     while True:
-        world = _form(control, committed, link, backend, reform_timeout_s if recovering else None)
+        if world is None:
+            world = _form(control, committed, link, backend, reform_timeout_s if recovering else None)
         _reshard(state, world)
         try:
             return train(world)
+        except IntegrityFault as fault:  # every rank raised it at the same step: the group is whole
+            if guard is None:
+                raise
+            world = _roll_back(fault, guard, state, committed, world)
+            continue
         except WorldChanged:
             pass
         except RuntimeError as exc:  # torch.distributed's errors (DistError) are RuntimeErrors
@@ -172,6 +187,7 @@ def run(
         assert link is not None  # WorldChanged and a survived RuntimeError both need the agent
         _leave(control, committed, link, timeout_s)
         recovering = True
+        world = None
 
 
 def _form(
@@ -226,6 +242,43 @@ def _reshard(state: Mapping[str, Stateful], world: World) -> None:
         reshard = getattr(obj, "reshard", None)
         if callable(reshard):
             reshard(world.world_size, world.rank)
+
+
+def _roll_back(
+    fault: IntegrityFault, guard: Guard, state: Mapping[str, Stateful], committed: Committed, world: World
+) -> World:
+    """Put every rank back at the guard's newest verified step (checkpoint and sampler), in process; the
+    fault goes on (ending the process) when there is none, or when it recurred at the same step."""
+    from elastic.checkpoint import replicated  # torch-heavy, and only needed here
+
+    verdict = fault.verdict
+    target = verdict.rollback_to
+    report_integrity(verdict, rank=world.rank)
+    if target is None or verdict.recurring:
+        raise fault
+    loaded = replicated.load(step=target)
+    if loaded is None:  # load(step=) raises when no rank holds it; keep the types honest
+        raise fault
+    saved, restored = loaded
+    missing = sorted(set(state) - set(saved))
+    if missing:
+        raise replicated.CheckpointError(
+            f"integrity rollback: the checkpoint of step {restored} lacks {missing}: save the objects given "
+            "to elastic.run under the same keys"
+        )
+    for name, obj in state.items():
+        obj.load_state_dict(saved[name])
+    committed.take(restored)
+    guard.rolled_back(restored)
+    report_integrity(verdict, rank=world.rank, rolled_back_to=restored)
+    log.warning(
+        "rank %d: integrity rollback in process from step %d to the verified step %d (%s)",
+        world.rank,
+        verdict.step,
+        restored,
+        verdict.kind,
+    )
+    return replace(world, step=restored)
 
 
 def _leave(control: GroupControl, committed: Committed, link: AgentLink, timeout_s: float | None) -> None:

@@ -20,6 +20,12 @@ Pure: no clock (the job decides when each applies), no I/O. This is the one plac
 it is durable (the job's snapshot holds :meth:`snapshot`), a failure's pending state is not (a master taking
 over mid-recovery settles nothing it did not charge).
 
+Before a round's first failure is charged, :meth:`RestartBudget.judge` asks the crash-loop policy
+(:mod:`master.job.crash_loop`) whether it is deterministic: then the job stops at once (exit 3) instead of
+charging it. The policy's series is durable with the budget (under the snapshot's key ``crash_loop``), and a
+refund takes the refunded failure out of it (a failure that followed a node's loss is no failure of the
+job's own).
+
 **Goodput** (:class:`GoodputAccount`): the share of the job's wall-clock time that was training.
 
 *Training time* is the time during which the workers of a full round were stepping: it starts when every
@@ -61,11 +67,17 @@ job. Fed one :class:`~master.job.events.Event` at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import WorkerFailure
+from master.job.crash_loop import CrashLoop, CrashLoopPolicy, Stop
 from master.job.events import Cause, Event, EventKind
+
+if TYPE_CHECKING:
+    from master.job.progress import NodeInfo
 
 
 @dataclass(frozen=True)
@@ -82,11 +94,28 @@ class PendingFailure:
 class RestartBudget:
     """Restarts spent of ``max_restarts``; the failure charged provisionally, if any (module docstring)."""
 
-    def __init__(self, max_restarts: int, spent: int = 0, charged_rounds: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        max_restarts: int,
+        spent: int = 0,
+        charged_rounds: Iterable[int] = (),
+        crash_loop: CrashLoop | None = None,
+    ) -> None:
         self.max_restarts = max_restarts
         self._spent = spent
         self._charged_rounds: set[int] = set(charged_rounds)  # rounds whose failure was charged
         self._pending: PendingFailure | None = None
+        #: The crash-loop policy and its series (durable with the budget).
+        self.crash_loop = crash_loop if crash_loop is not None else CrashLoop(CrashLoopPolicy())
+
+    @classmethod
+    def of(cls, settings: JobSettings, data: dict[str, Any] | None = None) -> RestartBudget:
+        """The budget of a job with ``settings``: new, or continued from a job snapshot ``data``."""
+        crash_loop = CrashLoop(CrashLoopPolicy.of(settings))
+        crash_loop.restore((data or {}).get("crash_loop"))
+        budget = cls.restore(settings.max_restarts, data or {})
+        budget.crash_loop = crash_loop
+        return budget
 
     @property
     def spent(self) -> int:
@@ -101,6 +130,23 @@ class RestartBudget:
     def charged(self, round_number: int) -> bool:
         """Whether a failure of round ``round_number`` was charged already (one restart per round)."""
         return round_number in self._charged_rounds
+
+    def judge(
+        self,
+        reporter: NodeInfo,
+        failure: WorkerFailure | None,
+        cause: str,
+        round_number: int,
+        now: float,
+        committed_step: int | None,
+        peers: Iterable[NodeInfo],
+        suspected: Callable[[str], bool],
+    ) -> Stop | None:
+        """Before :meth:`charge`: whether the round's first failure is deterministic (the job stops, exit
+        3) rather than charged (:meth:`master.job.crash_loop.CrashLoop.judge_report`)."""
+        return self.crash_loop.judge_report(
+            reporter, failure, cause, round_number, now, committed_step, peers, suspected
+        )
 
     def charge(
         self, round_number: int, members: Iterable[str], cause: str, reporter: str
@@ -127,6 +173,7 @@ class RestartBudget:
         if pending.counted:
             self._spent -= 1
         self._pending = None
+        self.crash_loop.forget(pending.round)
         return pending
 
     def settle(self) -> PendingFailure | None:
@@ -138,7 +185,11 @@ class RestartBudget:
     # -- persistence ------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
         """The durable part, under the job snapshot's keys."""
-        return {"restart_count": self._spent, "round_failed": sorted(self._charged_rounds)}
+        return {
+            "restart_count": self._spent,
+            "round_failed": sorted(self._charged_rounds),
+            "crash_loop": self.crash_loop.snapshot(),
+        }
 
     @classmethod
     def restore(cls, max_restarts: int, data: dict[str, Any]) -> RestartBudget:

@@ -64,6 +64,7 @@ class EventKind(_Text):
     ROUND_OPENED = "round_opened"
     ROUND_CLOSED = "round_closed"
     WORKER_FAILED = "worker_failed"
+    CRASH_LOOP = "crash_loop"  # a failure judged deterministic (master.job.crash_loop): the job stops, exit 3
     FAILURE_NOT_COUNTED = "failure_not_counted"  # the restart it charged is refunded (a node loss)
     WORKERS_STARTED = "workers_started"
     FIRST_STEP = "first_step"

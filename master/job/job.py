@@ -87,7 +87,7 @@ class Job:
         self.rdzv = Rendezvous(settings)
         self.liveness = Liveness(settings.heartbeat_timeout_s)
         self.nodes: dict[str, NodeInfo] = {}
-        self.budget = RestartBudget(settings.max_restarts)
+        self.budget = RestartBudget.of(settings)  # with the crash-loop policy (master.job.crash_loop)
         self.checkpoints = CheckpointProgress()
         self.outcome: Outcome | None = None
         self.events: deque[Event] = deque(maxlen=1000)
@@ -523,7 +523,7 @@ class Job:
             self.nodes[n["node_id"]].secret_hash = n.get("secret_hash", "")
             self.nodes[n["node_id"]].default_id = bool(n.get("default_id", False))
         self.rdzv.restrict_expected(self.nodes)  # a forming round expects the previous members still known
-        self.budget = RestartBudget.restore(settings.max_restarts, data)
+        self.budget = RestartBudget.of(settings, data)
         self.round_term = int(data.get("round_term", 0))
         # A state stored before incarnations keeps the new one: the next round's persists then supersede
         # the earlier rounds' (which the fence already orders by round), never the other way round.
@@ -679,8 +679,8 @@ class Job:
 
     # -- results: failures, successes, node checks ------------------------------------------------
     def _on_failure(self, node: NodeInfo, failure: WorkerFailure | None, now: float) -> None:
-        """A member's workers failed in the current round: one restart of the world, charged
-        provisionally (:mod:`master.job.accounting`), once per round."""
+        """A member's workers failed in the current round: one restart of the world, charged provisionally
+        (:mod:`master.job.accounting`), once per round; or, when deterministic, the job stops (exit 3)."""
         round_number = self.rdzv.round
         if self.budget.charged(round_number):
             return  # already counted: one failure costs one restart of the world
@@ -704,8 +704,16 @@ class Job:
             summary = f"{cause} after other nodes had finished; cannot restart"
             self._finish(Outcome(succeeded=False, exit_code=EXIT_FAILED, summary=summary), now)
             return
-        current = self.rdzv.current
-        self.budget.charge(round_number, current.members if current else (), cause, node.node_id)
+        members = self.rdzv.current.members if self.rdzv.current else []
+        peers = [self.nodes[m] for m in members if m in self.nodes and m != node.node_id]
+        stop = self.budget.judge(
+            node, failure, cause, round_number, now, self.committed_step, peers, self.liveness.suspected
+        )
+        if stop is not None:  # deterministic: restarting cannot help (master.job.crash_loop), exit 3
+            self.record(now, EventKind.CRASH_LOOP, stop.message, **stop.fields)
+            self._finish(stop.outcome, now)
+            return
+        self.budget.charge(round_number, members, cause, node.node_id)
         self._open_round(now, cause, counted=True, cause=verdict, began_at=failed_at)
         self._advance(now)
 

@@ -109,6 +109,7 @@ def job_status(job: Job, now: float) -> JobStatus:
         goodput_ratio=job.goodput.ratio(now),
         waiting_reason=waiting_reason(job, now),
         events=recent_events(job, now),
+        crash_loop=job.budget.crash_loop.verdict,
     )
 
 

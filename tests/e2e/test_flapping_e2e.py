@@ -152,7 +152,7 @@ def test_a_crash_loop_of_agents_with_default_node_ids_is_excluded(launch, tmp_pa
         cluster.master.wait_for(rf"node_dead: node {re.escape(node)} declared dead", START_S, after=offset)
     cluster.master.wait_for(r"node_flapping_excluded: the agents with default node ids", 10)
     refused = launch(argv, name="agent-default-refused", env=agent_env())  # yet another id
-    assert refused.wait(START_S) == 2, refused.output()[-2000:]
+    assert refused.wait(START_S) == 4, refused.output()[-2000:]
     last = refused.output().strip().splitlines()[-1]
     host_key = rf"{re.escape(socket.gethostname())}@\S+"
     assert re.search(rf"default node ids \(HOSTNAME-PID\) at {host_key} are excluded from job", last), last

@@ -44,6 +44,8 @@ def test_a_damaged_memory_checkpoint_is_skipped_reported_and_the_job_resumes_fro
     env = base_env(ELASTIC_PERSIST_DELAY_S="600")
     agent = ["--standalone", "--rdzv-id", job, "--node-id", "n1", "--nproc-per-node", "2"]
     agent += ["--max-restarts", "3", "--stop-grace", "2", "--ckpt-dir", str(ckpt)]
+    # Both kills come at step 6 with no newer step in between: a crash loop by its rule (exit 3), unless off.
+    agent += ["--crash-loop-window", "0"]
     script = ["--steps", "8", "--ckpt-every", "1", "--batch-size", "64", "--hold-at-step", "6"]
     proc = launch(elastic_run_argv(*agent, str(TRAIN_SCRIPT), *script), name="agent", env=env)
 

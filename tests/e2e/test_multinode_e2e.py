@@ -240,7 +240,9 @@ def test_too_few_nodes_fail_after_the_join_timeout(launch, tmp_path):
 # -- 7 ----------------------------------------------------------------------------------------------------
 @pytest.mark.timeout(300)
 def test_exhausted_restart_budget_fails_every_agent_with_the_same_summary(launch, tmp_path):
-    cluster = start_cluster(launch, tmp_path, "2", "--max-restarts", "1")
+    # The same failure every time is a crash loop (exit 3 at the second: tests/e2e/test_crash_loop_e2e.py);
+    # this test is about spending the budget.
+    cluster = start_cluster(launch, tmp_path, "2", "--max-restarts", "1", "--crash-loop-window", "0")
     good = cluster.agent("node-a", train_args(steps=20, step_time=0.1))
     bad = cluster.agent("node-b", train_args(steps=20, step_time=0.1, extra=("--fail-always",)))
     agents = [good, bad]

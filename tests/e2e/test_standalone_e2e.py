@@ -352,6 +352,10 @@ def test_always_failing_script_exhausts_restarts_with_summary(launch, tmp_path):
                 *TWO_WORKERS,
                 "--max-restarts",
                 "2",
+                # The same failure every time is a crash loop (exit 3 at the second: test_crash_loop_e2e.py);
+                # this test is about spending the budget.
+                "--crash-loop-window",
+                "0",
                 str(TRAIN_SCRIPT),
                 "--fail-always",
                 "--ckpt-dir",

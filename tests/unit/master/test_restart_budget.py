@@ -77,7 +77,11 @@ def test_the_snapshot_keeps_what_was_spent_and_charged_but_no_pending_failure():
     budget.settle()
     budget.charge(4, MEMBERS, "y", reporter="b")
     data = budget.snapshot()
-    assert data == {"restart_count": 2, "round_failed": [1, 4]}
+    assert data == {
+        "restart_count": 2,
+        "round_failed": [1, 4],
+        "crash_loop": {"series": None, "verdict": ""},  # master.job.crash_loop: test_crash_loop.py
+    }
     again = RestartBudget.restore(3, data)
     assert again.spent == 2 and again.charged(4) and again.pending is None
     assert RestartBudget.restore(3, {}).spent == 0, "a snapshot written before the budget existed"
