@@ -89,6 +89,14 @@ class PendingFailure:
     cause: str
     counted: bool  # False when the budget was already spent: the job fails at the close
     reporter: str = ""  # the node that reported it: its report corroborates another member's closed link
+    reported_at: float | None = None  # when the master had the report
+
+    def declared_later(self, now: float) -> str:
+        """`` (declared dead 0.4 s after the failure report)`` for a peer declared dead ``now`` whose loss
+        explains this failure; ``""`` when the report's time is unknown."""
+        if self.reported_at is None:
+            return ""
+        return f" (declared dead {max(0.0, now - self.reported_at):.1f} s after the failure report)"
 
 
 class RestartBudget:
@@ -149,7 +157,12 @@ class RestartBudget:
         )
 
     def charge(
-        self, round_number: int, members: Iterable[str], cause: str, reporter: str
+        self,
+        round_number: int,
+        members: Iterable[str],
+        cause: str,
+        reporter: str,
+        reported_at: float | None = None,
     ) -> PendingFailure | None:
         """A failure in round ``round_number`` (whose members are ``members``), reported by ``reporter``:
         charge one restart if any is left, provisionally. None, charging nothing, when that round's
@@ -160,7 +173,9 @@ class RestartBudget:
         counted = self._spent < self.max_restarts
         if counted:
             self._spent += 1
-        self._pending = PendingFailure(round_number, frozenset(members), cause, counted, reporter)
+        self._pending = PendingFailure(
+            round_number, frozenset(members), cause, counted, reporter, reported_at
+        )
         return self._pending
 
     def refund(self, node_id: str) -> PendingFailure | None:

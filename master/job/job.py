@@ -713,7 +713,7 @@ class Job:
             self.record(now, EventKind.CRASH_LOOP, stop.message, **stop.fields)
             self._finish(stop.outcome, now)
             return
-        self.budget.charge(round_number, members, cause, node.node_id)
+        self.budget.charge(round_number, members, cause, node.node_id, reported_at=now)
         self._open_round(now, cause, counted=True, cause=verdict, began_at=failed_at)
         self._advance(now)
 
@@ -748,8 +748,9 @@ class Job:
         self.record(
             now,
             EventKind.FAILURE_NOT_COUNTED,
-            f"the failure in round {refunded.round} followed the loss of node {node_id}: a membership "
-            f"change, not counted (restarts {self.restart_count}/{self.settings.max_restarts})",
+            f"{refunded.cause}: explained by the loss of peer node {node_id}"
+            f"{refunded.declared_later(now)}: a membership change, not counted "
+            f"(restarts {self.restart_count}/{self.settings.max_restarts})",
             node=node_id,
             cause=Cause.NODE_LOSS,
             data={"training": "stopped", "training_at": stopped} if stopped is not None else {},

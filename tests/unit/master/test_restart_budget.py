@@ -5,6 +5,8 @@ accounting as the job drives it on a fake clock (time passes only through the ``
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from job_builders import HB_TIMEOUT, beat, crash, join, make_job, running
 
@@ -105,6 +107,12 @@ def test_a_failure_that_a_heartbeat_timeout_later_explains_is_refunded():
     assert "b" not in job.nodes and job.restart_count == 0
     refund = [e for e in job.events if e.kind == "failure_not_counted"]
     assert len(refund) == 1 and refund[0].cause == "node_loss"
+    # The summary says the failure was a peer's loss, and how long after the report it was declared dead.
+    assert re.search(
+        r": explained by the loss of peer node b \(declared dead \d+\.\d s after the failure report\): a "
+        r"membership change, not counted",
+        refund[0].message,
+    ), refund[0].message
 
 
 def test_a_failure_after_the_restart_round_closed_is_not_refunded_by_a_later_loss():
