@@ -28,7 +28,9 @@ fails on the same rank or on every rank, and which of them reports first varies.
    reached no later step than the previous failure's), is the second failure of a crash loop: the job
    stops. A failure while another member's connection to the master is closed is never a repeat: it
    probably followed that node's loss, which refunds it (a membership change). ``--crash-loop-window 0``
-   turns this rule off.
+   turns this rule off. A worker killed by a signal sent from outside (SIGKILL, SIGTERM...: an operator, a
+   scheduler, a chaos test, the OOM killer) is never a repeat, however often it comes: nothing says the
+   next start would fail too (repeated OOM kills spend the budget and end the job with exit 1).
 3. Anything else is charged against ``--max-restarts`` as usual, and starts a new series when it differs
    from the previous failure or followed progress. A single failure never stops the job by rule 2, so a
    single transient kill (SIGKILL, OOM) is charged once, as before.
@@ -50,6 +52,9 @@ if TYPE_CHECKING:
 
 #: Failures of the same signature that make a crash loop (rule 2).
 REPEATS = 2
+#: Signals a worker raises itself when it crashes (as agent.workers.types.CRASH_SIGNALS): a repeat of one is
+#: a crash loop; any other signal came from outside and says nothing about the worker's code.
+CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL", "SIGSYS", "SIGTRAP"})
 #: Known start-up errors deterministic at start-up and in the first step (rule 1).
 STARTUP_PHASES = frozenset({FailurePhase.STARTUP.value, FailurePhase.FIRST_STEP.value})
 #: Longest normalised message kept in a signature (a traceback's first line is far shorter).
@@ -91,6 +96,14 @@ class Signature:
 
     def describe(self) -> str:
         return f"{self.what} ({self.where})"
+
+    @property
+    def from_outside(self) -> bool:
+        """Whether the worker was killed by a signal sent from outside (SIGKILL, SIGTERM...: an operator, a
+        scheduler, a chaos test, the OOM killer), with no error of its own: never a crash loop (rule 2)."""
+        if not self.what.startswith("signal ") or ":" in self.what:
+            return False
+        return self.what.removeprefix("signal ") not in CRASH_SIGNALS
 
 
 _WHERE = {
@@ -232,7 +245,8 @@ def decide(
             "(stopped at its first occurrence; --no-stop-on-startup-error charges it as a restart)",
             series,
         )
-    if policy.window_s > 0 and repeat and not peer_suspected and series.count >= REPEATS:
+    stoppable = not sig.from_outside  # a kill from outside is charged, however often it comes
+    if policy.window_s > 0 and repeat and stoppable and not peer_suspected and series.count >= REPEATS:
         return Decision(
             True,
             f"the same failure {series.count} times in {seen.at - series.first_at:.0f}s "

@@ -66,6 +66,20 @@ def test_sigkill_twice_at_steady_state_with_steps_between_is_charged():
     assert stops == [False, False]
 
 
+def test_kills_from_outside_at_start_up_with_no_progress_are_charged_however_often_they_come():
+    """A scheduler, an operator or a chaos test killing a worker again and again before its first step (a
+    SIGTERM per checkpoint save in tests/e2e/test_ckpt_faults_e2e.py) says nothing about the worker's code:
+    charged each time, never a crash loop; a crash signal the worker raises itself is one."""
+    for name in ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP"):
+        sig = Signature("startup", f"signal {name}")
+        assert sig.from_outside
+        assert series(POLICY, *(seen(sig, 10.0 * i, i) for i in range(1, 5))) == [False] * 4, name
+    segv = Signature("startup", "signal SIGSEGV")
+    assert not segv.from_outside
+    assert series(POLICY, seen(segv, 10.0, 1), seen(segv, 20.0, 2)) == [False, True]
+    assert not Signature("startup", "signal SIGTERM: RuntimeError: boom").from_outside, "it left an error"
+
+
 def test_a_single_sigkill_never_stops_the_job():
     assert series(POLICY, seen(SIGKILL, 100.0, 1, reached=40)) == [False]
 
