@@ -31,7 +31,9 @@ from urllib.parse import parse_qs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
+from elastic.control.auth import derived_token
 from elastic.control.error_table import ErrorCode
+from elastic.control.listener_rules import UNAUTHENTICATED
 from elastic.control.protocol import ErrorBody, JobStatus
 from master.http.conn_guard import mark_authenticated
 from master.http.gatekeeper import check_token
@@ -130,6 +132,14 @@ def install_ui(app: FastAPI, service, failures: PeerFailureLimiter) -> None:
     sessions = Sessions(settings.token, settings.job.job_id)
     secure = bool(settings.tls_cert)  # a Secure cookie is never sent over plain http
     page, login_page = _asset("page.html"), _asset("login.html")
+    # A job without a token (torchrun's c10d spelling, docs/security.md) says so on its page, as on its
+    # start line and in `elastic-master status`: anyone who reaches the master controls the job.
+    unauthenticated = settings.token == derived_token(settings.job.job_id)
+    notice = (
+        f'<p id="auth" class="error" role="note">auth: {html.escape(UNAUTHENTICATED)}: anyone who reaches '
+        "the master controls the job (docs/security.md)</p>"
+    )
+    page = page.replace("{auth_notice}", notice if unauthenticated else "")
     static = {
         "app.js": (_asset("app.js"), "text/javascript; charset=utf-8"),
         "app.css": (_asset("app.css"), "text/css; charset=utf-8"),

@@ -84,6 +84,18 @@ def test_torchruns_c10d_spelling_without_a_token_runs_unauthenticated_with_one_w
     )
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("auth: unauthenticated (c10d, no token)"), shown.stdout
+    # The status page says so too (signed in with the token anyone can derive from the job id).
+    import httpx
+
+    from elastic.control.auth import derived_token
+    from master.http.ui import CSRF_COOKIE
+
+    with httpx.Client(base_url=f"http://{endpoint}", timeout=30) as client:
+        client.get("/ui/login")
+        client.post("/ui/login", data={"csrf": client.cookies.get(CSRF_COOKIE), "token": derived_token(job)})
+        page = client.get("/ui")
+    assert page.status_code == 200 and 'id="auth"' in page.text, page.text[:500]
+    assert "unauthenticated (c10d, no token)" in page.text
     refused = run_cli("--nnodes", "1", "--master", endpoint, "--rdzv-id", job)
     assert refused.returncode == 2 and "--token-file" in refused.stderr, refused.stderr
     assert agent.wait(150) == 0, agent.output()[-3000:]
