@@ -10,6 +10,7 @@ import json
 import socket
 import ssl
 import time
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -94,7 +95,8 @@ def count_events(
         for line in master_log.read_text(errors="replace").splitlines():
             if marker in line:
                 with contextlib.suppress(ValueError):
-                    at = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1e3
+                    # The line's first field: ISO 8601 UTC with milliseconds (2026-11-28T11:40:46.946Z).
+                    at = datetime.fromisoformat(line.split(" ", 1)[0].replace("Z", "+00:00")).timestamp()
                     logged += since <= at < until
     n = 0
     if path.exists():

@@ -277,9 +277,9 @@ def test_node_dying_while_no_master_is_up_is_declared_dead_after_the_grace_and_t
     restarted = job.master(port, "master-restarted")
     job.wait_leader(address, FAILOVER_LIMIT_S + START_S)
 
-    lead = restarted.wait_for(r"^(?P<at>\S+ \S+) .*leads job", 10)
+    lead = restarted.wait_for(r"^(?P<at>\S+) .*leads job", 10)
     dead = restarted.wait_for(
-        rf"^(?P<at>\S+ \S+) .*node_dead: node {victim_id} declared dead "
+        rf"^(?P<at>\S+) .*node_dead: node {victim_id} declared dead "
         r"\(no heartbeat for (?P<age>[\d.]+)s\)",
         30,
     )

@@ -64,8 +64,8 @@ def get_json(address: str, path: str, job_id: str) -> dict:
 
 
 def log_time(line_match: re.Match[str]) -> float:
-    """The wall-clock time of a master log line (``%(asctime)s`` = ``YYYY-mm-dd HH:MM:SS,mmm``)."""
-    return datetime.strptime(line_match.group("at"), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    """The wall-clock time of a master log line (its first field: ISO 8601 UTC, ``...T11:40:46.946Z``)."""
+    return datetime.fromisoformat(line_match.group("at").replace("Z", "+00:00")).timestamp()
 
 
 @dataclass
