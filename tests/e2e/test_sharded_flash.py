@@ -81,7 +81,9 @@ def test_sharded_flash_saves_stay_in_memory_and_a_lost_node_is_restored_from_its
         assert [s for s, _, _ in steps] == [3, 2], "memory keeps the newest two saves"
         data = steps[0][2]
         names = sorted(p.name for p in data.iterdir())
-        assert names == sorted([".metadata", "manifest.json", *(f"__{r}_0.distcp" for r in ranks)])
+        data_files = [f"__{r}_0.distcp" for r in ranks]
+        digests = [name + sl.DIGEST_SUFFIX for name in data_files]  # each written at the save (the digest)
+        assert names == sorted([".metadata", "manifest.json", *data_files, *digests])
         assert not list((node / sl.SHARDED_SUBDIR).glob("*.tmp")), "no temp folder left"
 
     # Each node's keeper persists its part to a disk folder of its own (no shared file system): no folder
