@@ -20,7 +20,7 @@ Pure: no clock (the job decides when each applies), no I/O. This is the one plac
 it is durable (the job's snapshot holds :meth:`snapshot`), a failure's pending state is not (a master taking
 over mid-recovery settles nothing it did not charge).
 
-Before a round's first failure is charged, :meth:`RestartBudget.judge` asks the crash-loop policy
+Before a round's first failure is charged, the job asks the budget's crash-loop policy
 (:mod:`master.job.crash_loop`) whether it is deterministic: then the job stops at once (exit 3) instead of
 charging it. The policy's series is durable with the budget (under the snapshot's key ``crash_loop``), and a
 refund takes the refunded failure out of it (a failure that followed a node's loss is no failure of the
@@ -67,17 +67,16 @@ job. Fed one :class:`~master.job.events.Event` at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from elastic.control.job_settings import JobSettings
-from elastic.control.protocol import WorkerFailure
-from master.job.crash_loop import CrashLoop, CrashLoopPolicy, Stop
+from master.job.crash_loop import CrashLoop, CrashLoopPolicy
 from master.job.events import Cause, Event, EventKind
 
 if TYPE_CHECKING:
-    from master.job.progress import NodeInfo
+    pass
 
 
 @dataclass(frozen=True)
@@ -138,23 +137,6 @@ class RestartBudget:
     def charged(self, round_number: int) -> bool:
         """Whether a failure of round ``round_number`` was charged already (one restart per round)."""
         return round_number in self._charged_rounds
-
-    def judge(
-        self,
-        reporter: NodeInfo,
-        failure: WorkerFailure | None,
-        cause: str,
-        round_number: int,
-        now: float,
-        committed_step: int | None,
-        peers: Iterable[NodeInfo],
-        suspected: Callable[[str], bool],
-    ) -> Stop | None:
-        """Before :meth:`charge`: whether the round's first failure is deterministic (the job stops, exit
-        3) rather than charged (:meth:`master.job.crash_loop.CrashLoop.judge_report`)."""
-        return self.crash_loop.judge_report(
-            reporter, failure, cause, round_number, now, committed_step, peers, suspected
-        )
 
     def charge(
         self,

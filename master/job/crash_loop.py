@@ -2,7 +2,7 @@
 at once (exit 3, :attr:`elastic.exit_codes.ExitCode.FAILED_FOR_GOOD`) instead of spending its restart budget.
 
 Pure: no clock (the job passes ``now``), no I/O. Before the restart budget charges a round's first failure
-report, the job asks :meth:`master.job.accounting.RestartBudget.judge` (:meth:`CrashLoop.judge_report`), and
+report, the job asks :meth:`CrashLoop.judge_report` (the budget's ``crash_loop``), and
 stops the job when the answer is a :class:`Stop`. The series kept here is durable with the budget (the job's
 snapshot, key ``crash_loop``), so a master failover, or an agent, pod or job resubmitted with the same job id
 and incarnation, continues it; a refunded failure (it followed a node's loss) leaves it.

@@ -706,7 +706,7 @@ class Job:
             return
         members = self.rdzv.current.members if self.rdzv.current else []
         peers = [self.nodes[m] for m in members if m in self.nodes and m != node.node_id]
-        stop = self.budget.judge(
+        stop = self.budget.crash_loop.judge_report(
             node, failure, cause, round_number, now, self.committed_step, peers, self.liveness.suspected
         )
         if stop is not None:  # deterministic: restarting cannot help (master.job.crash_loop), exit 3
