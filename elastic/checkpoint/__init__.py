@@ -24,8 +24,9 @@ Owns: the checkpoint file formats and layouts, and the environment a worker's ch
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from elastic.lazy import lazy_exports
 
 _LAZY_ATTRS: dict[str, str] = {
     "save": "replicated",
@@ -63,14 +64,4 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY_ATTRS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY_ATTRS, __all__)

@@ -19,8 +19,9 @@ imports no torch; the names below resolve on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from elastic.lazy import lazy_exports
 
 _LAZY_ATTRS: dict[str, str] = {"Guard": "guard", "Verdict": "guard", "IntegrityFault": "guard"}
 __all__ = ["Guard", "IntegrityFault", "Verdict"]
@@ -29,14 +30,4 @@ if TYPE_CHECKING:
     from elastic.integrity.guard import Guard, IntegrityFault, Verdict
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY_ATTRS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY_ATTRS, __all__)
