@@ -72,6 +72,9 @@ class AgentSettings:
     job: JobSettings  # the job settings this agent expects (and hosts, when it embeds the master)
     token: str
     node_id: str
+    #: ``--token-file`` (absolute) the token came from: re-read after a 401 and by this agent's listeners
+    #: (elastic.control.token_source); None: a fixed token (ELASTIC_TOKEN, derived or random).
+    token_file: str | None = None
     #: No token was given off loopback and torchrun's spelling opted in: the token is the one derived from
     #: the job id, which anyone can compute (elastic.control.listener_rules.UNAUTHENTICATED).
     unauthenticated: bool = False

@@ -20,12 +20,23 @@ own (bench/ckpt_agent.py):
 * ``torch.save to disk``: ``torch.save`` into a file on disk (lands in the page cache, no fsync), and
   ``disk save (fsync)``: the atomic disk save of ``elastic.save`` without an agent (write, fsync,
   rename, marker): what a save blocked for before the flash checkpoint.
-* ``restore from memory``: ``elastic.load()`` from the shared-memory copy, and ``restore from disk``:
-  from the persisted file with its pages evicted from the page cache first (posix_fadvise DONTNEED).
+* ``restore from memory``: ``elastic.load()`` from the shared-memory copy, alternated with its
+  references on the same bytes: the memory copy above and the digest check (xxh3) a restore makes; and
+  ``restore from disk``: from the persisted file with its pages evicted from the page cache first
+  (posix_fadvise DONTNEED). The sharded kind restores from own memory, from a peer's replica (with its
+  references: loopback TCP moving the peer's bytes, and their digest check) and from disk.
 
-Prints one table (median and range over the repeats); nothing is left behind (temp folders, /dev/shm).
+The restore targets (issue "Restores at memory speed") are rows of their own:
+``restore_own_memory_over_memcpy`` (replicated, from the node's own memory: at most 2x the memcpy plus
+the digest check) and
+``restore_peer_over_tcp`` (sharded, a replaced node's shards from a peer's memory: at most 1.5x loopback
+TCP plus the digest check), each with the references measured in the same run.
+
+Prints the tables (median and range over the repeats); nothing is left behind (temp folders, /dev/shm).
 With ``--json FILE`` it writes ``{"rows": [{"kind", "bytes", "save_block_s", "memcpy_s",
-"block_over_memcpy", ...}], "operations": [...], "machine": {...}}``.
+"block_over_memcpy", ...}, {"row": "restore_own_memory_over_memcpy", "kind", "bytes", "restore_s",
+"reference_s", "digest_s", "ratio", "target_ratio", "met", ...}, {"row": "restore_peer_over_tcp", ...}],
+"operations": [...], "machine": {...}}``; ``ratio`` is (restore - digest) / reference.
 """
 
 from __future__ import annotations
@@ -50,7 +61,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from bench import ckpt_replication, common  # noqa: E402
-from elastic.checkpoint import flash, layout  # noqa: E402
+from elastic.checkpoint import digest, flash, layout  # noqa: E402
 from elastic.checkpoint import replicated as checkpoint  # noqa: E402
 
 TENSORS_PER_STATE = 10
@@ -217,15 +228,27 @@ def bench_replicated(megabytes: float, repeats: int, work: Path) -> tuple[list[R
             env.wait_persisted(step)
             persist.append(time.perf_counter() - start)
             memcpy.append(timed(copy, 1)[0])
-        del copy
         rows.append(Row(megabytes, "first save (allocates the segments)", [first], size))
         rows.append(Row(megabytes, "  of which pre-faulting", [first_stats.prefault_s], size))
         rows.append(Row(megabytes, "flash save (blocking)", saves, size))
         rows.append(Row(megabytes, "memory copy (Tensor.copy_)", memcpy, size))
         rows.append(Row(megabytes, "  persist to disk (background)", persist, size))
 
-        memory = timed(lambda: checkpoint.load(), repeats)
+        # Alternated with its references, measured on the same bytes: the memcpy above, and the digest
+        # check a restore makes (xxh3 over the newest file in memory, mapped).
+        newest = layout.checkpoint_files(env.folder)[0][1]
+        memory, restore_copies, digests = [], [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            restored = checkpoint.load()
+            memory.append(time.perf_counter() - start)
+            del restored  # freed outside the measurement: the restore ends when load returns
+            restore_copies.append(timed(copy, 1)[0])
+            digests.append(timed(lambda: digest.file_digest_raw(newest), 1)[0])
+        del copy
         rows.append(Row(megabytes, "restore from memory", memory, size))
+        rows.append(Row(megabytes, "  memory copy of the same bytes", restore_copies, size))
+        rows.append(Row(megabytes, "  digest check of the same bytes (xxh3)", digests, size))
 
         persisted = layout.checkpoint_files(env.persisted)[0][1]
         os.environ.pop("ELASTIC_SHM_DIR")
@@ -250,7 +273,39 @@ def bench_replicated(megabytes: float, repeats: int, work: Path) -> tuple[list[R
         env.close()
     result = common.save_block_result("replicated", size, saves, memcpy, first, first_stats.prefault_s)
     result["first_save_fresh_bytes"] = first_stats.fresh_bytes
+    result["restore_rows"] = [
+        restore_row(OWN_MEMORY_ROW, "replicated", size, memory, restore_copies, digests)
+    ]
     return rows, result
+
+
+#: The restore targets (issue "Restores at memory speed"): a restore takes at most this many times its
+#: reference (measured in the same run, on the same bytes) plus the digest check of those bytes.
+OWN_MEMORY_ROW, OWN_MEMORY_TARGET = "restore_own_memory_over_memcpy", 2.0
+PEER_ROW, PEER_TARGET = "restore_peer_over_tcp", 1.5
+
+
+def restore_row(
+    row: str, kind: str, size: int, restores: list[float], references: list[float], digests: list[float]
+) -> dict:
+    """One restore-target row: medians of the restore, its reference (a memcpy of the bytes, or loopback
+    TCP moving them) and the digest check over them; ``ratio`` is (restore - digest) / reference, and
+    ``met`` says whether restore <= target x reference + digest."""
+    restore, reference, check = (statistics.median(v) for v in (restores, references, digests))
+    target = OWN_MEMORY_TARGET if row == OWN_MEMORY_ROW else PEER_TARGET
+    return {
+        "row": row,
+        "kind": kind,
+        "bytes": size,
+        "restore_s": restore,
+        "reference_s": reference,
+        "digest_s": check,
+        "ratio": (restore - check) / reference if reference > 0 else None,
+        "target_ratio": target,
+        "met": restore <= target * reference + check,
+        "restore_range_s": [min(restores), max(restores)],
+        "repeats": len(restores),
+    }
 
 
 SHARDED_RANKS = 2
@@ -296,6 +351,15 @@ def bench_sharded(megabytes: float, repeats: int, work: Path) -> tuple[list[Row]
     ]
     restore = _sharded_restore(megabytes, repeats, work)
     result["restore"] = {k: statistics.median(v) if isinstance(v, list) else v for k, v in restore.items()}
+    peer = restore_row(
+        PEER_ROW,
+        "sharded",
+        restore["peer_bytes"],
+        restore["peer_memory_s"],
+        restore["loopback_tcp_s"],
+        restore["peer_digest_s"],
+    )
+    result["restore_rows"] = [peer]
     for key, name in (
         ("own_memory_s", "sharded restore from own memory"),
         ("peer_memory_s", "sharded restore, a node's shards from a peer's replica"),
@@ -304,6 +368,14 @@ def bench_sharded(megabytes: float, repeats: int, work: Path) -> tuple[list[Row]
         rows.append(
             Row(megabytes, f"{name} ({SHARDED_RANKS} nodes)", restore[key], restore["bytes"] * SHARDED_RANKS)
         )
+        if key == "peer_memory_s":
+            moved = restore["peer_bytes"]
+            rows.append(
+                Row(megabytes, "  loopback TCP moving the peer's bytes", restore["loopback_tcp_s"], moved)
+            )
+            rows.append(
+                Row(megabytes, "  digest check of the peer's bytes (xxh3)", restore["peer_digest_s"], moved)
+            )
     replication = ckpt_replication.bench_replication(megabytes * SHARDED_RANKS, repeats)
     result["replication"] = replication
     moved = replication["bytes"]
@@ -397,6 +469,32 @@ def print_comparison(results: list[dict]) -> None:
     print(common.table(headers, lines))
 
 
+def print_restore_targets(results: list[dict]) -> None:
+    """The restore-target rows: each restore against its reference measured in the same run."""
+    headers = ["row", "kind", "bytes", "restore s", "reference s", "digest s", "(restore - digest) / ref"]
+    headers.append("target")
+    lines = []
+    for r in (row for result in results for row in result.get("restore_rows", [])):
+        reference = "memcpy" if r["row"] == OWN_MEMORY_ROW else "loopback TCP"
+        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        target = f"<= {r['target_ratio']:g}x {reference} + digest: {'met' if r['met'] else 'NOT met'}"
+        lines.append(
+            [
+                r["row"],
+                r["kind"],
+                f"{r['bytes'] / 1e6:.0f} MB",
+                f"{r['restore_s']:.3f}",
+                f"{r['reference_s']:.3f}",
+                f"{r['digest_s']:.3f}",
+                ratio,
+                target,
+            ]
+        )
+    if lines:
+        print()
+        print(common.table(headers, lines))
+
+
 def machine() -> dict:
     return {
         "torch": torch.__version__,
@@ -447,6 +545,7 @@ def main(argv: list[str] | None = None) -> None:
             results.append(result)
     print_table(rows)
     print_comparison(results)
+    print_restore_targets(results)
     after = machine()
     print("# load average at the end: " + "/".join(f"{v:.2f}" for v in after["load_average"]))
     if args.json is not None:
@@ -461,9 +560,9 @@ def main(argv: list[str] | None = None) -> None:
             for row in rows
         ]
         machine_info = {**after, "load_average_start": before["load_average"]}
-        args.json.write_text(
-            json.dumps({"rows": results, "operations": operations, "machine": machine_info}, indent=2) + "\n"
-        )
+        restores = [row for result in results for row in result.pop("restore_rows", [])]
+        document = {"rows": results + restores, "operations": operations, "machine": machine_info}
+        args.json.write_text(json.dumps(document, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ measured apart (bench/ckpt_replication.py).
 
 * ``own memory``: every node holds its own shards;
 * ``peer memory``: node 1 was replaced by an empty one; node 0 holds node 1's replica (as the agents'
-  replication leaves it, with its sha256, checked at restore) and sends it over the process group;
+  replication leaves it, with its xxh3 digests, checked at restore) and sends it over the process group;
+  between the repeats rank 0 measures the references: loopback TCP moving the same bytes
+  (bench/ckpt_replication.py) and the digest over them;
 * ``disk``: every node empty; the step persisted to ``DISK_DIR`` by the agents' persist
   (agent.checkpoints.sharded_persist), its pages evicted from the page cache first.
 """
@@ -32,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import common  # noqa: E402 - after the path insertion above
+from bench import ckpt_replication, common  # noqa: E402 - after the path insertion above
 
 
 def main() -> None:
@@ -143,7 +145,8 @@ def restore_main() -> None:
         held.mkdir(parents=True)
         tmp = held / sl.tmp_dir_name(step, save_id)
         shutil.copytree(data, tmp)
-        sl.write_json(tmp / sl.HASHES, {p.name: sl.sha256_file(p) for p in tmp.iterdir() if p.is_file()})
+        # The digests the agents' replica server records (xxh3_128, agent/checkpoints/replica_server.py).
+        sl.write_json(tmp / sl.HASHES, {p.name: sl.file_digest(p) for p in tmp.iterdir() if p.is_file()})
         sl.commit(held, tmp, step, save_id)
     dist.barrier()
 
@@ -172,14 +175,32 @@ def restore_main() -> None:
         os.environ["ELASTIC_CKPT_DIR"] = str(disk_dir)
         _evict(disk_dir / sl.SHARDED_SUBDIR / sl.data_dir_name(step, save_id))
 
+    # The references of the peer restore, measured between its repeats on rank 0 (the sender): loopback
+    # TCP moving node 1's bytes, and the digest check over them (xxh3 of the replica's files).
+    replica = sl.committed(work_dir / "node0" / sl.REPLICAS_SUBDIR / "node1" / sl.SHARDED_SUBDIR)
+    moved = [p for p in sorted(replica[0][2].iterdir()) if sl.file_id(p.name) is not None] if replica else []
+    moved_bytes = sum(p.stat().st_size for p in moved) if rank == "0" else 0
+    tcp: list[float] = []
+    digests: list[float] = []
+
+    def peer(i: int) -> None:
+        if rank == "0":
+            tcp.append(ckpt_replication.loopback_seconds(moved_bytes))
+            started = time.perf_counter()
+            for path in moved:
+                sl.file_digest(path)
+            digests.append(time.perf_counter() - started)
+        fresh(i, {"1"})
+
     results = {
         "own_memory_s": timed(lambda i: None),
-        "peer_memory_s": timed(lambda i: fresh(i, {"1"})),
+        "peer_memory_s": timed(peer),
         "disk_s": timed(from_disk),
     }
     if rank == "0":
         size = rows * 1024 * 4 * 10
-        Path(out).write_text(json.dumps({"bytes": size, "ranks": int(world), **results}))
+        references = {"peer_bytes": moved_bytes, "loopback_tcp_s": tcp, "peer_digest_s": digests}
+        Path(out).write_text(json.dumps({"bytes": size, "ranks": int(world), **results, **references}))
     dist.barrier()
     elastic.destroy_process_group()
 

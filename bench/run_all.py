@@ -33,6 +33,7 @@ TITLE = "# Benchmarks: elastic-run vs torchrun"
 BENCHES = [
     ("recovery", "Worker-crash recovery", "recovery.py"),
     ("inprocess_exact", "In-process recovery: exact", "inprocess_exact.py"),
+    ("integrity", "Integrity: detection and rollback", "integrity.py"),
     ("node_loss", "Node loss", "node_loss.py"),
     ("scale_up", "Scale-up admission", "scale_up.py"),
     ("rendezvous", "Rendezvous latency", "rendezvous.py"),

@@ -119,7 +119,8 @@ SLURM scripts:
   master's outcome carries it to every agent (`elastic-master --exit-on-job-end` exits with it too).
 - **4**: this node is unhealthy: replace the node. Caused by: this node excluded: flapping (lost more than
   `--flap-limit` times in `--flap-window`), a failed node check, SLURM reports it drained, down or failed
-  ([slurm.md](slurm.md)), and the policies to come (suspect hardware, an evicted straggler); the job may go
+  ([slurm.md](slurm.md)), a straggler evicted by `elastic-master --straggler-policy evict|replace`
+  ([failures.md](failures.md#straggler-policy)), and the policies to come (suspect hardware); the job may go
   on without it.
 - **128+N**: stopped by signal N. Caused by: 129 SIGHUP, 130 SIGINT, 131 SIGQUIT, 143 SIGTERM (the agent
   stops its workers first).

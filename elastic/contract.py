@@ -179,7 +179,7 @@ class Progress:
     save_s: float | None = None
     #: The worker's rendezvous round (``ELASTIC_ROUND``), fencing the persist (ckpt only).
     round: int | None = None
-    #: What the integrity guard found (integrity only): ``kind ranks=...`` (elastic.integrity.Verdict).
+    #: What the integrity guard found (integrity only): an :class:`IntegrityNote` as JSON.
     detail: str = ""
     #: The verified step the job rolled back to after that detection (integrity only; None: not yet).
     rolled_back_to: int | None = None
@@ -230,3 +230,63 @@ class Progress:
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise MalformedDatagram(f"not a progress report: {e}") from None
+
+
+#: Sample indices an integrity report names at most (the step's global batch, cut to this many)...
+MAX_NOTE_SAMPLES = 256
+#: ...and ranks (a heartbeat that carries a node's findings must stay far below the master's body limit).
+MAX_NOTE_RANKS = 64
+
+
+@dataclass(frozen=True)
+class IntegrityNote:
+    """What the integrity guard found at a step, as an ``integrity`` datagram's ``detail`` carries it.
+
+    ``kind``: ``non_finite``, ``mismatch`` or ``spike`` (elastic.integrity.Verdict). ``ranks``: the global
+    ranks the verdict names (the first :data:`MAX_NOTE_RANKS`); ``world_size``: the replicas compared;
+    ``odd``: a mismatch naming a strict minority of them (the odd replicas; with two, or no majority,
+    nobody is odd); ``named_here``: the sender is one of the ranks named (its node's agent then knows one
+    of its workers was); ``recurring``: the same NaN or spike was found at that step before a rollback
+    (data, not hardware); ``samples``: the global sample indices of that step, when the sampler knows them
+    (at most :data:`MAX_NOTE_SAMPLES`). ``rolled_back_to`` is not part of ``detail``: the datagram carries
+    it (``rb``), the agent puts it here."""
+
+    kind: str
+    ranks: tuple[int, ...] = ()
+    world_size: int = 0
+    named_here: bool = False
+    recurring: bool = False
+    samples: tuple[int, ...] = ()
+    rolled_back_to: int | None = None
+    odd: bool = False
+
+    def to_detail(self) -> str:
+        """The compact JSON the datagram's ``detail`` holds."""
+        record: dict[str, Any] = {
+            "kind": self.kind,
+            "ranks": list(self.ranks[:MAX_NOTE_RANKS]),
+            "world": self.world_size,
+        }
+        for flag in ("named_here", "recurring", "odd"):
+            if getattr(self, flag):
+                record[flag] = True
+        if self.samples:
+            record["samples"] = list(self.samples[:MAX_NOTE_SAMPLES])
+        return json.dumps(record, separators=(",", ":"))
+
+    @classmethod
+    def from_detail(cls, text: str) -> IntegrityNote:
+        """Parse :meth:`to_detail`; raises :class:`MalformedDatagram` for anything else."""
+        try:
+            record = json.loads(text)
+            return cls(
+                kind=str(record["kind"])[:32],
+                ranks=tuple(int(r) for r in record.get("ranks", ()))[:MAX_NOTE_RANKS],
+                world_size=int(record.get("world", 0)),
+                named_here=bool(record.get("named_here", False)),
+                recurring=bool(record.get("recurring", False)),
+                samples=tuple(int(i) for i in record.get("samples", ()))[:MAX_NOTE_SAMPLES],
+                odd=bool(record.get("odd", False)),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise MalformedDatagram(f"not an integrity note: {e}") from None

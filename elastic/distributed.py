@@ -116,8 +116,10 @@ def _store(rank: int, world_size: int, connect_timeout: datetime.timedelta) -> d
     if rank != 0:
         # torch retries a refused connection only after a 0.3-0.7 s back-off; rank 0 listens within ms.
         _wait_for_listener(host, port, connect_timeout.total_seconds())
+    # A client counts itself in (wait_for_workers: it only adds to the store's worker count and returns):
+    # a new rank 0 that forms with env:// (a spare taking a lost rank 0's place) waits for that count.
     return dist.TCPStore(
-        host, port, world_size, is_master=rank == 0, timeout=connect_timeout, wait_for_workers=False
+        host, port, world_size, is_master=rank == 0, timeout=connect_timeout, wait_for_workers=rank != 0
     )
 
 

@@ -28,6 +28,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from elastic import contract
@@ -215,20 +216,39 @@ def report_corrupt(step: int, location: str) -> None:
     _send(_progress(ProgressKind.CORRUPT, int(step), location=str(location)), reliable=True)
 
 
-def report_integrity(verdict: Any, *, rank: int, rolled_back_to: int | None = None) -> None:
+def report_integrity(
+    verdict: Any,
+    *,
+    rank: int,
+    world_size: int = 0,
+    rolled_back_to: int | None = None,
+    samples: Sequence[int] = (),
+) -> None:
     """Tell the agent what the integrity guard found (an :class:`elastic.integrity.Verdict` with a
-    ``kind``), and with ``rolled_back_to`` the verified step the job then rolled back to in process.
+    ``kind``), and with ``rolled_back_to`` the verified step the job then rolled back to in process. The
+    agent's heartbeat carries it to the master (events ``integrity_detected``, ``integrity_rolled_back``;
+    a recurring one stops the job, a node named as the odd replica too often is excluded).
 
     Every rank's verdict is the same, so only global rank 0 and the ranks the verdict names report it
-    (each agent then knows whether one of its own workers was the odd replica). Sent like a checkpoint
-    report: it waits for room in the agent's queue, at most :data:`CKPT_SEND_TIMEOUT_S`."""
-    ranks = tuple(getattr(verdict, "ranks", ()))
+    (each agent then knows whether one of its own workers was named). ``world_size``: the replicas
+    compared; ``samples``: the global sample indices of the verdict's step, when known (rank 0 sends
+    them). Sent like a
+    checkpoint report: it waits for room in the agent's queue, at most :data:`CKPT_SEND_TIMEOUT_S`."""
+    ranks = tuple(int(r) for r in getattr(verdict, "ranks", ()))
     if rank != 0 and rank not in ranks:
         return
-    detail = f"{verdict.kind} ranks={','.join(map(str, ranks)) or '-'}" + (
-        " recurring" if getattr(verdict, "recurring", False) else ""
+    note = contract.IntegrityNote(
+        kind=str(verdict.kind),
+        ranks=ranks,
+        world_size=int(world_size),
+        named_here=rank in ranks,
+        recurring=bool(getattr(verdict, "recurring", False)),
+        samples=tuple(int(i) for i in samples),
+        odd=verdict.kind == "mismatch" and 0 < 2 * len(ranks) < world_size,
     )
     _send(
-        _progress(ProgressKind.INTEGRITY, int(verdict.step), detail=detail, rolled_back_to=rolled_back_to),
+        _progress(
+            ProgressKind.INTEGRITY, int(verdict.step), detail=note.to_detail(), rolled_back_to=rolled_back_to
+        ),
         reliable=True,
     )

@@ -248,6 +248,14 @@ class ElasticSampler(Sampler[int]):
         report(self.step)
         return self.step
 
+    def last_step_indices(self) -> list[int]:
+        """The global sample indices (every rank's) of the step :meth:`advance` completed last in this
+        epoch; empty at an epoch's start. Names the samples of a step the integrity guard stopped at."""
+        if self.consumed <= 0:
+            return []
+        start = (self.consumed - 1) // self.step_size * self.step_size
+        return self._permutation()[start : self.consumed]
+
     @property
     def epoch_done(self) -> bool:
         """True when no step is left in this epoch."""

@@ -155,9 +155,8 @@ def load_sharded(
         mine = held.get((chosen, save_id), {})
         manifest = next((m for p in mine.values() if (m := sl.read_manifest(p.parent)) is not None), None)
         try:
-            path, assembled, _received = shard_restore.assemble(
-                state, chosen, save_id, mine, manifest, shm, world
-            )
+            found = shard_restore.assemble(state, chosen, save_id, mine, manifest, shm, world)
+            path, assembled, _received = found.folder, found.writes, found.received
             break
         except shard_restore.DamagedShardsError as exc:
             # Every rank is here together: the damaged files (reported already) are left out, and the
@@ -181,8 +180,9 @@ def load_sharded(
             )
         return None
     try:
-        dcp.load(state, storage_reader=shard_restore.reader(path, shm))
+        dcp.load(state, storage_reader=shard_restore.reader(path, shm, found.in_memory))
     finally:
+        found.close()
         collectives.barrier()
         if assembled:
             shutil.rmtree(path.parent if path.parent.name.startswith("elastic-restore-") else path, True)

@@ -5,12 +5,38 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from etcd_server import EtcdNotFoundError, EtcdServer
 from tools import MISSING_TOOL
+
+# The suite runs in parallel processes (pytest-xdist, `-n` in pyproject.toml). Every agent removes the
+# checkpoint folders of dead agents it finds beside its own, so agents of two tests running at once must
+# not share a root: each pytest process (a worker, or the whole run without xdist) gives the agents it
+# starts a root folder of its own in /dev/shm (ELASTIC_SHM_ROOT, docs/checkpointing.md), removed when it
+# ends. Set before any test module imports tests/support/e2e.py, whose SHM follows it.
+_SHM_ROOT = Path("/dev/shm") / f"pytest-shm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _remove_dead_roots() -> None:
+    """The roots of pytest processes that were killed (no teardown ran): their PID is gone."""
+    for root in Path("/dev/shm").glob("pytest-shm-*-*"):
+        pid = root.name.split("-")[2]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(root, ignore_errors=True)
+
+
+# A root set by the user is kept; one inherited from the pytest process that started this one (xdist's
+# controller starts its workers with its own environment) is replaced.
+_OWNER_ENV = "ELASTIC_TEST_SHM_ROOT_OWNER"
+if Path("/dev/shm").is_dir() and ("ELASTIC_SHM_ROOT" not in os.environ or _OWNER_ENV in os.environ):
+    _remove_dead_roots()
+    _SHM_ROOT.mkdir(mode=0o700)
+    os.environ["ELASTIC_SHM_ROOT"] = str(_SHM_ROOT)
+    os.environ[_OWNER_ENV] = str(os.getpid())
 
 # The test process runs etcd clients (gRPC) in-process and also starts workers and agents (fork + exec).
 # gRPC's fork handlers are for children that go on using gRPC; with its threads busy at the moment of a
@@ -74,7 +100,13 @@ def agent_tmpdir() -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-_SHM = Path("/dev/shm")
+_SHM = Path(os.environ.get("ELASTIC_SHM_ROOT") or "/dev/shm")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The process's shared-memory root goes with it (whatever a test left there, should one fail)."""
+    if _SHM_ROOT.is_dir():
+        shutil.rmtree(_SHM_ROOT, ignore_errors=True)
 
 
 def _kept_copies() -> set[str]:

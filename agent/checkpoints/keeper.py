@@ -24,8 +24,10 @@ it. The keeper:
   one is logged as a warning.
 * **reports damage**: a checkpoint copy whose bytes fail their digest (:mod:`elastic.checkpoint.digest`),
   found by a worker's restore (its report comes through the progress channel) or by a persist (which then
-  fails: damaged bytes are never persisted), goes into :attr:`CheckpointKeeper.corruptions`, which the
-  heartbeats carry to the master (event ``checkpoint_corrupt``) until one that carried it is answered.
+  fails: damaged bytes are never persisted), goes into :attr:`CheckpointKeeper.findings`, which the
+  heartbeats carry to the master (event ``checkpoint_corrupt``) until one that carried it is answered;
+  so do the integrity guard's findings (``on_checkpoint(..., integrity=...)``: events
+  ``integrity_detected``, ``integrity_rolled_back``).
 * **stop**: persists what is still pending, and the newest checkpoint in memory if it is newer than the
   last persist request (a ``persist=False`` save, or a request lost with its worker), then removes the
   folder, unless the newest checkpoint asked for could not be made durable
@@ -53,15 +55,15 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import BinaryIO, TypedDict
+from typing import Any, BinaryIO, TypedDict
 
 from agent.checkpoints import fence as ckpt_fence
 from agent.checkpoints import persist as ckpt_persist
 from agent.checkpoints import shm_folder
 from agent.checkpoints.persist import PERSIST_DELAY_ENV, Request, parse_persist_delay
-from agent.checkpoints.shm_folder import DEFAULT_ROOT, folder_name
+from agent.checkpoints.shm_folder import DEFAULT_ROOT, folder_name, root_from
 from elastic import contract
 from elastic.checkpoint import layout, shard_layout
 from elastic.checkpoint.digest import CheckpointCorruptError
@@ -89,20 +91,30 @@ class ReplicationFields(TypedDict, total=False):
 
 
 @dataclass(frozen=True)
-class Corruption:
-    """One damaged checkpoint copy this node found (the fields of
-    :class:`elastic.control.protocol.CheckpointCorruption`)."""
+class Finding:
+    """One thing this node found wrong, reported once (the fields of
+    :class:`elastic.control.protocol.Finding`): a damaged checkpoint copy, or with ``integrity`` (the
+    fields of :class:`elastic.control.protocol.IntegrityFinding`) what the integrity guard found."""
 
     id: str
     step: int
     file: str
-    found_by: str  # "restore" or "persist"
+    found_by: str  # "restore", "persist" or "integrity"
     detail: str
+    integrity: dict[str, Any] | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The wire model's fields; ``integrity`` only when set (a master that predates it refuses it)."""
+        fields = asdict(self)
+        if self.integrity is None:
+            del fields["integrity"]
+        return fields
 
 
-class CorruptionLog:
-    """Damaged checkpoint copies this node found, kept until a heartbeat that carried them is answered (at
-    most :data:`MAX_PENDING`, the newest; the older ones are counted and logged, never silently lost)."""
+class FindingLog:
+    """What this node found wrong (damaged checkpoint copies, the integrity guard's findings), kept until a
+    heartbeat that carried them is answered (at most :data:`MAX_PENDING`, the newest; the older ones are
+    counted and logged, never silently lost)."""
 
     MAX_PENDING = 16
 
@@ -110,26 +122,52 @@ class CorruptionLog:
         self._token = secrets.token_hex(4)  # ids unique across agent restarts: the master dedupes by id
         self._lock = threading.Lock()
         self._seq = 0
-        self._pending: list[Corruption] = []
+        self._pending: list[Finding] = []
         self.total = 0  # found since the agent started
         self.dropped = 0  # pushed out before a heartbeat delivered them
 
-    def add(self, step: int, file: str, found_by: str, detail: str) -> Corruption:
-        """Record one damaged copy."""
+    def add_integrity(self, step: int, note: contract.IntegrityNote) -> Finding:
+        """Record what a worker's integrity guard reported (elastic.report.report_integrity)."""
+        fields = {
+            "kind": note.kind,
+            "ranks": list(note.ranks),
+            "world_size": note.world_size,
+            "named_here": note.named_here,
+            "odd": note.odd,
+            "recurring": note.recurring,
+            "rolled_back_to": note.rolled_back_to,
+            "samples": list(note.samples),
+        }
+        what = "detected" if note.rolled_back_to is None else f"rolled back to step {note.rolled_back_to}"
+        again = " (recurring)" if note.recurring else ""
+        detail = f"{note.kind} ranks={','.join(map(str, note.ranks)) or '-'} {what}{again}"
+        with self._lock:  # this node's ranks report one verdict each: one finding, named if any was
+            for i, found in enumerate(self._pending):
+                same = found.integrity is not None and found.step == step and found.detail == detail
+                if same and found.integrity is not None:
+                    if note.named_here and not found.integrity["named_here"]:
+                        self._pending[i] = replace(found, integrity={**found.integrity, "named_here": True})
+                    return self._pending[i]
+        return self.add(step, "", "integrity", detail, integrity=fields)
+
+    def add(
+        self, step: int, file: str, found_by: str, detail: str, integrity: dict[str, Any] | None = None
+    ) -> Finding:
+        """Record one finding (a damaged copy, unless ``integrity``)."""
         with self._lock:
             self._seq += 1
             self.total += 1
-            found = Corruption(
-                f"{self._token}-{self._seq}", int(step), file[-1024:], found_by, detail[-1024:]
+            found = Finding(
+                f"{self._token}-{self._seq}", int(step), file[-1024:], found_by, detail[-1024:], integrity
             )
             self._pending.append(found)
             if len(self._pending) > self.MAX_PENDING:
                 self.dropped += 1
                 lost = self._pending.pop(0)
-                log.error("checkpoint corruption report %s (step %d) was not delivered", lost.id, lost.step)
+                log.error("finding %s (%s, step %d) was not delivered", lost.id, lost.found_by, lost.step)
         return found
 
-    def pending(self) -> list[Corruption]:
+    def pending(self) -> list[Finding]:
         """The reports no answered heartbeat carried yet, oldest first."""
         with self._lock:
             return list(self._pending)
@@ -185,6 +223,9 @@ class CheckpointKeeper:
         #: starts a round's workers; it goes with their persist requests, to the fence
         #: (agent.checkpoints.fence).
         self.incarnation = ""
+        #: ``(step, round, incarnation)`` of the newest save a worker reported (persisted or not): the
+        #: fence's order for that step when the stop persists it (see :meth:`_queue_newest`).
+        self._newest_save: tuple[int, int | None, str] | None = None
         #: At stop: the newest request of each kind whose checkpoint could not be made durable.
         self.unpersisted: list[Request] = []
         #: Where the memory folder was kept at stop (the newest checkpoint is not on disk), else None.
@@ -206,8 +247,8 @@ class CheckpointKeeper:
         #: enabled.
         self.replicator = None
         self.replica_server = None
-        #: Damaged checkpoint copies found on this node (restores, persists), for the heartbeats.
-        self.corruptions = CorruptionLog()
+        #: What this node found wrong (damaged checkpoint copies, integrity findings), for the heartbeats.
+        self.findings = FindingLog()
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> CheckpointKeeper:
@@ -293,6 +334,12 @@ class CheckpointKeeper:
                 newest = ckpt_persist.newest_in(self.folder, last)
                 if newest is None or newest.step <= last.step:
                     continue
+                saved = self._newest_save
+                if saved is not None and saved[0] == newest.step:
+                    # Saved after the last persist request, maybe in a later round or submission (this node
+                    # no longer asks for persists at another node rank): the fence must order it as that
+                    # save, not as the last request, or it is refused as superseded by its own lineage.
+                    newest = replace(newest, round=saved[1], incarnation=saved[2] or newest.incarnation)
                 log.info(
                     "persisting the newest %s checkpoint in memory (step %d) at stop",
                     newest.kind,
@@ -375,19 +422,27 @@ class CheckpointKeeper:
         persist_to: str = "",
         round_number: int | None = None,
         corrupt: bool = False,
+        integrity: contract.IntegrityNote | None = None,
     ) -> None:
         """A worker reports a complete checkpoint; a location in this folder asks for a persist to
         ``persist_to`` (default ``ckpt_dir``). ``round_number``: the worker's round (``ELASTIC_ROUND``),
         which fences the commit; None from a worker that does not send it. ``corrupt``: instead, the
         worker's restore found the copy ``location`` of ``step`` damaged (it failed its digest).
+        ``integrity``: instead, what the worker's integrity guard found at ``step`` (a finding for the
+        master, like a damaged copy).
 
         Called from the progress channel's thread; never blocks on I/O.
         """
+        if integrity is not None:
+            self.findings.add_integrity(step, integrity)
+            return
         if corrupt:
-            self.corruptions.add(
+            self.findings.add(
                 step, location, "restore", f"local rank {local_rank}'s restore skipped it (digest mismatch)"
             )
             return
+        with self._cond:  # the latest report is the newest save (as for persist requests, below)
+            self._newest_save = (step, round_number, self.incarnation)
         target = Path(persist_to) if persist_to else self.ckpt_dir
         if location and Path(location).parent == self.folder / shard_layout.SHARDED_SUBDIR:
             # A node's sharded save, committed by its local rank 0: replicated to the ring successors,
@@ -466,7 +521,7 @@ class CheckpointKeeper:
                 if not self._abandon.is_set():  # a persist given up at stop was reported by the stop
                     self._fail(request, str(exc))
             except CheckpointCorruptError as exc:  # damaged in memory: never persisted as the newest step
-                self.corruptions.add(request.step, str(request.source), "persist", str(exc))
+                self.findings.add(request.step, str(request.source), "persist", str(exc))
                 self._fail(request, f"not persisted: the checkpoint in memory failed its digest check: {exc}")
             else:
                 count, total = self.persist_seconds
@@ -519,11 +574,13 @@ class CheckpointKeeper:
 def keeper_for(
     job_id: str, node_id: str, ckpt_dir: Path | None, keep: int, environ: Mapping[str, str]
 ) -> CheckpointKeeper:
-    """The keeper of an agent, with the test hook read from ``environ``."""
+    """The keeper of an agent, with its folder's root (``ELASTIC_SHM_ROOT``) and the test hook read from
+    ``environ``."""
     delay, from_step = parse_persist_delay(environ.get(PERSIST_DELAY_ENV))
     return CheckpointKeeper(
         job_id,
         node_id,
+        root=root_from(environ),
         ckpt_dir=ckpt_dir,
         keep=keep,
         persist_delay_s=delay,

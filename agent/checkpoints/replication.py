@@ -3,8 +3,9 @@ the agents of the next ``replicas`` nodes in rank order (a ring: any single node
 its shards on a survivor), agent to agent over TCP, never through the master.
 
 **Placement**: node rank ``r`` sends to ranks ``r+1 .. r+k`` (mod the round's node count), ``k`` =
-``--replicas`` (default 1, at most nodes - 1). The master hands each agent its targets' endpoints in its
-heartbeat replies (soft state, from the targets' own heartbeats).
+``--replicas`` (default 1, at most nodes - 1), and to the hot spares it feeds (spare ``j`` receives from
+node rank ``j`` mod nodes: :func:`master.job.views.replica_targets`). The master hands each agent its
+targets' endpoints in its heartbeat replies (soft state, from the targets' own heartbeats).
 
 **Wire** (:mod:`agent.checkpoints.replication_wire`): one connection per push. The sender proves the pair
 key the master handed it for that target (``CommandReply.peer_keys``; the receiver derives the same key
@@ -115,7 +116,7 @@ class Replicator:
         known: list[str] = []
         keyed: dict[str, bytes] = {}
         keyless = []
-        for i, target in enumerate(targets[: self.replicas]):
+        for i, target in enumerate(targets):  # the master bounds them: ring successors, then hot spares
             if not target:
                 continue
             key = _key_bytes(given[i] if i < len(given) else "")

@@ -29,6 +29,7 @@ import re
 import shutil
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,9 @@ from elastic.checkpoint import layout
 log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = Path("/dev/shm")
+#: Environment variable naming another folder for the agents' checkpoint folders (a tmpfs): jobs that share
+#: a host but must not see each other's folders (stale-folder removal included) each get a root of their own.
+ROOT_ENV = "ELASTIC_SHM_ROOT"
 FOLDER_PREFIX = "elastic-"
 OWNER_FILE = ".owner"
 LOCK_FILE = ".lock"
@@ -54,8 +58,27 @@ class KeeperError(errors.CheckpointError):
     """The shared-memory folder cannot be set up (e.g. another live agent holds it)."""
 
 
+class RootError(KeeperError):
+    """``ELASTIC_SHM_ROOT`` names no folder: a usage error."""
+
+
 class FolderHeldError(errors.CheckpointError):
     """Another live process holds the folder's lock."""
+
+
+def root_from(environ: Mapping[str, str]) -> Path:
+    """The root of the agents' checkpoint folders: ``$ELASTIC_SHM_ROOT`` where set, else ``/dev/shm``.
+
+    Raises:
+        RootError: the variable names something that is not an existing folder.
+    """
+    value = environ.get(ROOT_ENV, "")
+    if not value:
+        return DEFAULT_ROOT
+    root = Path(value)
+    if not root.is_dir():
+        raise RootError(f"{ROOT_ENV}={value} is not a folder; create it (on a tmpfs) or unset {ROOT_ENV}")
+    return root
 
 
 def folder_name(job_id: str, node_id: str) -> str:

@@ -174,6 +174,8 @@ def resolve(o: dict[str, Any], given: frozenset[str] = frozenset()) -> tuple[Age
         nproc=nproc,
         job=job,
         token=token,
+        # A file can be rotated (re-read after a 401 and by this agent's listeners); ELASTIC_TOKEN cannot.
+        token_file=os.path.abspath(o["token_file"]) if o["token_file"] and not unauthenticated else None,
         unauthenticated=unauthenticated,
         node_id=o["node_id"] or f"{socket.gethostname()}-{os.getpid()}",
         node_id_is_default=not o["node_id"],

@@ -38,7 +38,7 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
     """Start (or find) the master, then run the agent loop; returns the exit code."""
     from agent.checkpoints import replication
     from agent.checkpoints.keeper import keeper_for  # light imports (stdlib, psutil), as the next three
-    from agent.checkpoints.shm_folder import FolderHeldError, KeeperError
+    from agent.checkpoints.shm_folder import FolderHeldError, KeeperError, RootError
     from agent.warm.starter import WarmLauncher
     from agent.workers.group import Reaper, WorkerGroup
     from agent.workers.launchers import become_child_subreaper
@@ -62,7 +62,11 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
         if standalone and master is not None:
             _announce_standalone(master.address, settings, reaper)
         client = MasterClient(
-            list(settings.masters), settings.job.job_id, settings.token, tls_ca=settings.tls_ca
+            list(settings.masters),
+            settings.job.job_id,
+            settings.token,
+            tls_ca=settings.tls_ca,
+            token_file=settings.token_file,  # re-read after a 401: a rotated token restarts nothing
         )
         group = WorkerGroup(reaper=reaper, launcher=launcher)
         # Checkpoint shared memory of this node; the test hook ELASTIC_PERSIST_DELAY_S slows its persists.
@@ -77,12 +81,12 @@ def run_agent(settings: AgentSettings, embed_at: str | None) -> int:
         metrics = _serve_metrics(agent, settings)
         code = agent.run()
     except KeeperError as exc:
-        # Another live agent on this host holds this job's and node id's folder: a duplicate --node-id,
-        # a usage error (exit 2) like the master's refusal of a duplicate join. shm_folder.take raises
-        # KeeperError from the FolderHeldError it caught (its context).
-        held = isinstance(exc.__context__, FolderHeldError)
+        # Another live agent on this host holds this job's and node id's folder (a duplicate --node-id), or
+        # ELASTIC_SHM_ROOT names no folder: a usage error (exit 2) like the master's refusal of a duplicate
+        # join. shm_folder.take raises KeeperError from the FolderHeldError it caught (its context).
+        usage = isinstance(exc.__context__, FolderHeldError) or isinstance(exc, RootError)
         raise AgentError(
-            f"cannot set up the checkpoint shared memory: {exc}", EXIT_CONFIG if held else EXIT_FAILED
+            f"cannot set up the checkpoint shared memory: {exc}", EXIT_CONFIG if usage else EXIT_FAILED
         ) from None
     finally:
         if metrics is not None:
@@ -177,7 +181,8 @@ def _connect_or_host_master(
         from master.service.settings import ServerSettings
 
         # On 127.0.0.1 only, so plain http: a --tls-ca (or ELASTIC_TLS_CA) meant for daemons is not used.
-        master = EmbeddedMaster(ServerSettings(job=settings.job, token=settings.token)).start()
+        server = ServerSettings(job=settings.job, token=settings.token, token_file=settings.token_file)
+        master = EmbeddedMaster(server).start()
         return master, dataclasses.replace(settings, masters=(master.address,), tls_ca=None)
     client = MasterClient(
         list(settings.masters),
@@ -213,6 +218,7 @@ def _connect_or_host_master(
                         server = ServerSettings(
                             job=settings.job,
                             token=settings.token,
+                            token_file=settings.token_file,  # followed when rotated, as elastic-master's
                             host=host,
                             port=port,
                             tls_cert=settings.tls_cert,

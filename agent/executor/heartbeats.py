@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 from agent.checkpoints import replication
@@ -24,9 +23,9 @@ from agent.machine.events import AgentEvent, CommandReceived, HangSeen, NodeUnkn
 from agent.observe.channel import ProgressChannel
 from elastic.control.protocol import (
     PERSIST_ERROR_MAX,
-    CheckpointCorruption,
     Command,
     CommandReply,
+    Finding,
     HeartbeatRequest,
     NodeState,
     WorkerProgress,
@@ -59,8 +58,8 @@ def heartbeat_request(
     stepped = bool(firsts) and len(firsts) == len(progress) == len(view.pids)  # every worker stepped
     replication: ReplicationFields = keeper.replication_fields() if keeper else {}
     # Only when there are some: a master that predates the field refuses unknown fields.
-    damaged = keeper.corruptions.pending() if keeper else []
-    corrupt: dict[str, Any] = {"ckpt_corrupt": [CheckpointCorruption(**asdict(c)) for c in damaged]}
+    found = keeper.findings.pending() if keeper else []
+    findings: dict[str, Any] = {"ckpt_corrupt": [Finding(**f.fields()) for f in found]}
     return HeartbeatRequest(
         node_id=node_id,
         round=view.round,
@@ -74,7 +73,7 @@ def heartbeat_request(
         workers_started_age_s=max(0.0, now - view.started_at) if view.started_at is not None else None,
         first_step_age_s=max(0.0, now - max(firsts)) if stepped else None,
         **replication,
-        **(corrupt if damaged else {}),
+        **(findings if found else {}),
     )
 
 
@@ -138,8 +137,8 @@ class HeartbeatThread:
             return None  # no incarnation yet (the join is being retried): nothing to report for
         request = self._request()
         reply = client.heartbeat(request, timeout=self.call_timeout)
-        if self._keeper is not None and request.ckpt_corrupt:  # answered: the master has these reports
-            self._keeper.corruptions.delivered(c.id for c in request.ckpt_corrupt)
+        if self._keeper is not None and request.ckpt_corrupt:  # answered: the master has these findings
+            self._keeper.findings.delivered(c.id for c in request.ckpt_corrupt)
         return reply
 
     def _answered(self, reply: CommandReply) -> None:

@@ -97,7 +97,7 @@ def nodes_wait_line(reply: RoundReply) -> str | None:
         if last_call is not None:
             return f"{head}; last call ends in {last_call:.1f} s, then a larger round opens"
         if reply.running_nodes >= high:
-            return f"{head}; the maximum is reached: this node waits for a free slot"
+            return f"{head}; the maximum is reached: this node is a hot spare and takes a lost node's place"
         return f"{head}; waiting for enough nodes to enlarge the world (--node-unit)"
     back = reply.expected_back or 0
     if joined < low:

@@ -7,7 +7,8 @@ callback (the checkpoint keeper), called on the receiving thread: it must not bl
 carries the worker's round (from ``ELASTIC_ROUND``) passes it as ``round_number=``, which fences the
 keeper's persist; reports of workers that do not send it call the callback without it. A report that a
 restore found a damaged copy (kind ``corrupt``, :func:`elastic.report.report_corrupt`) calls the same
-callback with ``corrupt=True`` (the file as the location), for the keeper to report it to the master. A
+callback with ``corrupt=True`` (the file as the location), for the keeper to report it to the master; an
+integrity guard's report (kind ``integrity``) with ``integrity=`` (:class:`elastic.contract.IntegrityNote`). A
 checkpoint report that carries the save's duration (seconds) adds it to :attr:`save_latency`, a
 :class:`LatencyHistogram` (cumulative buckets, as Prometheus exposes them) that :mod:`agent.observe.metrics`
 reads when Prometheus scrapes. The datagram's form is :class:`elastic.contract.Progress`.
@@ -35,10 +36,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from agent.observe.hang_policy import DEFAULT_POLICY
-from elastic.contract import MAX_DATAGRAM_BYTES, MalformedDatagram, Progress, ProgressKind
+from elastic.contract import MAX_DATAGRAM_BYTES, IntegrityNote, MalformedDatagram, Progress, ProgressKind
 
 RECENT_STEPS = 20
 #: Step durations kept per rank for the adaptive hang bound: its p99 window.
@@ -86,14 +87,24 @@ class RankProgress:
         return statistics.median(self.compute_times) if self.compute_times else None
 
 
+_SOCKET_NAME = "progress.sock"
+#: The longest path a unix socket can bind: ``sockaddr_un.sun_path`` holds 108 bytes, its NUL included.
+_SUN_PATH_MAX = 107
+
+
 class ProgressChannel:
     """Receives progress datagrams from this node's workers."""
 
     def __init__(self, on_checkpoint: Callable[..., None] | None = None) -> None:
         self._on_checkpoint = on_checkpoint
         self._dir = tempfile.mkdtemp(prefix="elastic-agent-")
+        if len(os.path.join(self._dir, _SOCKET_NAME).encode()) > _SUN_PATH_MAX:
+            # A deep TMPDIR leaves no room for the socket's name (bind fails: "AF_UNIX path too long"):
+            # /tmp instead, whose name is short. The folder stays private (mode 0700) either way.
+            os.rmdir(self._dir)
+            self._dir = tempfile.mkdtemp(prefix="elastic-agent-", dir="/tmp")
         self.folder = self._dir  # removed by close(), or by the reaper if the agent is SIGKILLed
-        self.path = os.path.join(self._dir, "progress.sock")
+        self.path = os.path.join(self._dir, _SOCKET_NAME)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self.path)
         self._lock = threading.Lock()
@@ -102,6 +113,8 @@ class ProgressChannel:
         self.save_latency = LatencyHistogram()
         #: Reports of checkpoint copies that failed their digest at a worker's restore.
         self.corrupt_reports = 0
+        #: Reports of the workers' integrity guards (detections and rollbacks).
+        self.integrity_reports = 0
         self._closed = False
         self._thread = threading.Thread(target=self._receive, name="progress-channel", daemon=True)
         self._thread.start()
@@ -170,6 +183,8 @@ class ProgressChannel:
                     log.exception("checkpoint callback failed for local rank %d step %d", rank, step)
             elif current and kind is ProgressKind.CORRUPT:
                 self._corrupt(rank, step, report.location)
+            elif current and kind is ProgressKind.INTEGRITY:
+                self._integrity(rank, step, report)
 
     def _corrupt(self, rank: int, step: int, location: str) -> None:
         """A worker's restore found a copy whose bytes fail their digest: logged here, and passed on to the
@@ -187,6 +202,21 @@ class ProgressChannel:
             self._on_checkpoint(rank, step, location, "", corrupt=True)
         except Exception:  # a failing callback must not stop progress reports
             log.exception("corruption callback failed for local rank %d step %d", rank, step)
+
+    def _integrity(self, rank: int, step: int, report: Progress) -> None:
+        """A worker's integrity guard found a fault at ``step`` (or rolled back after one): passed on to
+        the keeper (``on_checkpoint(..., integrity=note)``), whose findings the heartbeats carry."""
+        try:
+            note = replace(IntegrityNote.from_detail(report.detail), rolled_back_to=report.rolled_back_to)
+        except MalformedDatagram:
+            return  # a malformed report is dropped, like a malformed datagram
+        self.integrity_reports += 1
+        if self._on_checkpoint is None:
+            return
+        try:
+            self._on_checkpoint(rank, step, "", "", integrity=note)
+        except Exception:  # a failing callback must not stop progress reports
+            log.exception("integrity callback failed for local rank %d step %d", rank, step)
 
     def record(self, rank: int, kind: ProgressKind, step: int, *, now: float) -> bool:
         """Record a report as if received at ``now`` (replays of recorded series: bench/hangs.py, tests)."""

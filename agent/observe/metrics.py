@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import secrets
 import socket
 import ssl
 import threading
@@ -43,6 +42,7 @@ from agent.observe.events import EventLog
 from agent.observe.progress import sample_agent
 from elastic.control.error_table import ErrorCode
 from elastic.control.protocol import NodeState
+from elastic.control.token_source import WatchedToken
 
 log = logging.getLogger(__name__)
 
@@ -222,9 +222,18 @@ class MetricsServer:
     """The agent's metrics listener: ``GET /metrics`` behind the job token, over TLS when given."""
 
     def __init__(
-        self, registry: CollectorRegistry, token: str, host: str, port: int, tls: ssl.SSLContext | None = None
+        self,
+        registry: CollectorRegistry,
+        token: str | WatchedToken,
+        host: str,
+        port: int,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
-        handler = _handler(registry, token.encode())
+        """``token``: the job token, or the watched ``--token-file`` (a rotated token is followed, the
+        previous one accepted for one heartbeat timeout, as by the master)."""
+        handler = _handler(
+            registry, token if isinstance(token, WatchedToken) else WatchedToken(token, None, 0.0)
+        )
         self._server = _Server((host, port), handler, tls)
         self.host, self.port = host, self._server.server_address[1]
         self.scheme = "https" if tls is not None else "http"
@@ -268,7 +277,7 @@ def _error(code: ErrorCode, message: str) -> bytes:
     return json.dumps({"error": code, "message": message}).encode()
 
 
-def _handler(registry: CollectorRegistry, token: bytes) -> type:
+def _handler(registry: CollectorRegistry, token: WatchedToken) -> type:
     class Handler(BaseHTTPRequestHandler):
         server_version = "elastic-agent"
 
@@ -277,7 +286,7 @@ def _handler(registry: CollectorRegistry, token: bytes) -> type:
                 self._reply(404, _error(ErrorCode.NOT_FOUND, "this listener serves /metrics only"))
                 return
             scheme, _, given = self.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token):
+            if scheme.lower() != "bearer" or not token.accepts(given.strip().encode()):
                 body = _error(ErrorCode.UNAUTHORIZED, "missing or wrong bearer token; check --token-file")
                 self._reply(401, body, {"www-authenticate": 'Bearer realm="elastic-run"'})
                 return
@@ -314,7 +323,9 @@ def serve(agent: Any, host: str, port: int, tls: ssl.SSLContext | None = None) -
     agent.event_log = events  # the loop records through it from now on
     registry = CollectorRegistry(auto_describe=False)
     registry.register(AgentCollector(agent, events))
-    server = MetricsServer(registry, agent.settings.token, host, port, tls).start()
+    s = agent.settings
+    token = WatchedToken(s.token, s.token_file, s.job.heartbeat_timeout_s)  # Prometheus re-reads it too
+    server = MetricsServer(registry, token, host, port, tls).start()
     shown = f"[{server.host}]" if ":" in server.host else server.host
     log.info("metrics on %s:%d%s (%s)", shown, server.port, METRICS_PATH, server.scheme)
     return server

@@ -65,7 +65,7 @@ import threading
 import time
 import warnings
 import zipfile
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
@@ -595,27 +595,47 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
 class MappedReader(FileSystemReader):
     """``FileSystemReader`` that copies tensors straight from the mapped data files (see the module doc).
 
-    For files in shared memory (tmpfs): mapping a file on disk would fault its pages in one by one.
+    For files in shared memory (tmpfs): mapping a file on disk would fault its pages in one by one. Files
+    received from another node into this process's memory (``in_memory``, by name: anonymous maps,
+    :func:`elastic.checkpoint.shard_restore.recv_memory`) are read from there; they are not in ``path``.
     """
+
+    def __init__(
+        self, path: str | os.PathLike[str], in_memory: Mapping[str, mmap.mmap] | None = None
+    ) -> None:
+        super().__init__(path)
+        self.in_memory = dict(in_memory or {})
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             if self.storage_data[item.storage_index].transform_descriptors:
+                self._write_in_memory()  # DCP's own reader opens every file by name
                 return super().read_data(plan, planner)  # a stream transform (e.g. compression)
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         fallback: list[ReadItem] = []
         for relative_path, items in per_file.items():
-            fallback += self._read_file(Path(self.path) / relative_path, items, planner)
+            held = self.in_memory.get(relative_path)
+            if held is not None:
+                fallback += self._read_mapped(held, items, planner)
+            else:
+                fallback += self._read_file(Path(self.path) / relative_path, items, planner)
         if fallback:
+            self._write_in_memory()
             super().read_data(LoadPlan(fallback), planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
+    def _write_in_memory(self) -> None:
+        """Write the files held in memory into the folder, for DCP's own reader (a rare fallback)."""
+        for name, mapped in self.in_memory.items():
+            path = Path(self.path) / name
+            if not path.exists():
+                path.write_bytes(mapped)
+
     def _read_file(self, path: Path, items: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:
         """Load ``items`` from the mapped ``path``; returns the items left to ``FileSystemReader``."""
-        left: list[ReadItem] = []
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size == 0:
@@ -623,6 +643,16 @@ class MappedReader(FileSystemReader):
             mapped = mmap.mmap(
                 f.fileno(), size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
             )
+        try:
+            return self._read_mapped(mapped, items, planner)
+        finally:
+            with contextlib.suppress(BufferError):  # a tensor still exports it: unmapped when freed
+                mapped.close()
+
+    def _read_mapped(self, mapped: mmap.mmap, items: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:
+        """Load ``items`` from ``mapped`` (a data file's bytes); returns the items left to
+        ``FileSystemReader``."""
+        left: list[ReadItem] = []
         view = memoryview(mapped)
         record: memoryview | None = None
         try:
@@ -648,6 +678,4 @@ class MappedReader(FileSystemReader):
         finally:
             record = None
             view.release()
-            with contextlib.suppress(BufferError):  # a tensor still exports it: unmapped when freed
-                mapped.close()
         return left

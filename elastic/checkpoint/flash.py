@@ -67,10 +67,14 @@ device.
 from __future__ import annotations
 
 import base64
+import ctypes
 import io
 import json
 import logging
 import math
+import mmap
+import os
+import struct
 import threading
 import uuid
 import warnings
@@ -78,12 +82,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
 from elastic import errors
-from elastic.checkpoint import digest, layout
+from elastic.checkpoint import digest, hostmem, layout
 from elastic.checkpoint.segments import Acquired, Segment, SegmentPool
 
 # -- the format -------------------------------------------------------------------------------------
@@ -106,6 +110,10 @@ for _name in dir(torch):
         _DTYPES[_canonical] = _value
 
 
+#: The bytes of a file: read, received, or mapped (:func:`elastic.checkpoint.layout.map_shared`).
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+
+
 class Unsupported(errors.CheckpointError):
     """The state holds something this format does not describe; save it with torch.save instead."""
 
@@ -114,7 +122,7 @@ def _align(value: int, to: int) -> int:
     return (value + to - 1) // to * to
 
 
-def is_flash(data: bytes | memoryview) -> bool:
+def is_flash(data: Buffer) -> bool:
     """True when ``data`` starts like a file of this format (it may still be damaged)."""
     return bytes(data[: len(MAGIC)]) == MAGIC
 
@@ -300,14 +308,21 @@ def _target_device(location: str, map_location: MapLocation) -> torch.device | N
 
 
 def _load_storage(
-    data: bytes | memoryview, offset: int, nbytes: int, location: str, map_location: MapLocation
+    data: Buffer, offset: int, nbytes: int, location: str, map_location: MapLocation
 ) -> torch.UntypedStorage:
-    host = torch.empty(nbytes, dtype=torch.uint8)
+    # One copy, from the file's bytes (mapped, where they lie) into memory of the restored tensor's own:
+    # never a view of a segment the next save recycles. Fresh memory, faulted in huge pages (hostmem).
+    host = hostmem.empty(nbytes)
     if nbytes:
         with warnings.catch_warnings():
             # frombuffer warns that bytes are read-only: they are only read, into a fresh tensor.
             warnings.simplefilter("ignore", UserWarning)
             host.copy_(torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset))
+    return _place(host, location, map_location)
+
+
+def _place(host: torch.Tensor, location: str, map_location: MapLocation) -> torch.UntypedStorage:
+    """The storage of the restored bytes ``host`` where ``map_location`` puts a storage of ``location``."""
     device = _target_device(location, map_location)
     if device is None:
         mapped = map_location(host.untyped_storage(), location)
@@ -316,6 +331,21 @@ def _load_storage(
         # torch.load's callables may return a typed or an untyped storage.
         return mapped if isinstance(mapped, torch.UntypedStorage) else mapped.untyped_storage()
     return host.untyped_storage() if device.type == "cpu" else host.to(device).untyped_storage()
+
+
+def _tensors(records: list[Any], loaded: list[Any]) -> list[torch.Tensor]:
+    """The described tensors, each a view of its loaded storage (parameters as parameters)."""
+    tensors = []
+    for index, dtype, shape, stride, offset, requires_grad, is_param in records:
+        storage = loaded[index]
+        tensor = torch.empty(0, dtype=_DTYPES[dtype], device=storage.device)
+        tensor.set_(storage, offset, shape, stride)
+        if is_param:
+            tensor = torch.nn.Parameter(tensor, requires_grad=bool(requires_grad))
+        elif requires_grad:
+            tensor.requires_grad_(True)
+        tensors.append(tensor)
+    return tensors
 
 
 def _check_view(record: list[Any], storages: list[tuple[int, int, str]]) -> None:
@@ -369,7 +399,7 @@ class _Decoder:
         return key
 
 
-def parse_flash(data: bytes | memoryview, map_location: MapLocation = None) -> tuple[dict[str, Any], int]:
+def parse_flash(data: Buffer, map_location: MapLocation = None) -> tuple[dict[str, Any], int]:
     """``(state, step)`` from the bytes of a flash file; ValueError for anything torn or malformed, and
     :class:`~elastic.checkpoint.digest.CheckpointCorruptError` (a ValueError too) for bytes that do not
     match the file's digest, checked before any tensor is built (a version-1 file has none)."""
@@ -385,17 +415,7 @@ def parse_flash(data: bytes | memoryview, map_location: MapLocation = None) -> t
         for record in records:
             _check_view(record, storages)
         loaded = [_load_storage(data, data_offset + o, n, loc, map_location) for o, n, loc in storages]
-        tensors = []
-        for index, dtype, shape, stride, offset, requires_grad, is_param in records:
-            storage = loaded[index]
-            tensor = torch.empty(0, dtype=_DTYPES[dtype], device=storage.device)
-            tensor.set_(storage, offset, shape, stride)
-            if is_param:
-                tensor = torch.nn.Parameter(tensor, requires_grad=bool(requires_grad))
-            elif requires_grad:
-                tensor.requires_grad_(True)
-            tensors.append(tensor)
-        state = _Decoder(tensors).decode(description["tree"])
+        state = _Decoder(_tensors(records, loaded)).decode(description["tree"])
     except (KeyError, TypeError, IndexError, RecursionError, RuntimeError) as exc:
         raise ValueError(f"malformed flash checkpoint description: {type(exc).__name__}: {exc}") from None
     if not isinstance(state, dict):
@@ -403,14 +423,106 @@ def parse_flash(data: bytes | memoryview, map_location: MapLocation = None) -> t
     return state, step
 
 
-def parse(data: bytes | memoryview, map_location: MapLocation = None) -> tuple[dict[str, Any], int]:
+def _read_exactly(f: BinaryIO, view: memoryview) -> None:
+    while len(view):
+        n = f.readinto(view)  # type: ignore[attr-defined]  # any binary file
+        if not n:
+            raise ValueError("torn flash checkpoint: it ended early")
+        view = view[n:]
+
+
+def read_flash_file(f: BinaryIO, map_location: MapLocation = None) -> tuple[dict[str, Any], int]:
+    """``(state, step)`` from an open file written by ``elastic.save``, each storage *read* straight into
+    its restored tensor's memory (``readinto``: the kernel copies from the page cache, with no page tables
+    to fill for a mapping of the source) and hashed right after its read, the digest checked before any
+    tensor is returned (:class:`~elastic.checkpoint.digest.CheckpointCorruptError` otherwise): the bytes
+    restored are the bytes verified. Files of another shape (version 1, torch.save, storages out of
+    order) are read whole and parsed by :func:`parse`."""
+    size = os.fstat(f.fileno()).st_size
+    f.seek(0)
+    head = f.read(HEADER.size)
+    if not is_flash(head) or len(head) < HEADER.size or struct.unpack_from("<I", head, 8)[0] != VERSION:
+        f.seek(0)
+        return parse(f.read(), map_location)
+    header = digest.read_header(head, size)
+    frame = f.read(header.data_offset - header.end)  # the description and the zeros up to the data
+    if len(frame) != header.data_offset - header.end:
+        raise ValueError("torn flash checkpoint: it ended early")
+    hasher = digest.hasher()
+    hasher.update(head[: digest.DIGESTED_HEADER])
+    hasher.update(frame)
+    try:
+        description = json.loads(frame[: header.meta_size])
+        storages = [(int(o), int(n), str(loc)) for o, n, loc in description["storages"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"malformed flash checkpoint description: {type(exc).__name__}: {exc}") from None
+    end = size - TRAILER_SIZE
+    position = header.data_offset
+    for offset, nbytes, _ in storages:
+        if offset < 0 or nbytes < 0 or header.data_offset + offset < position or position > end:
+            f.seek(0)  # overlapping or out of order (no writer of ours does that): the general parse
+            return parse(f.read(), map_location)
+        position = header.data_offset + offset + nbytes
+    if position > end:
+        raise ValueError("a storage lies outside the file")
+    hosts: list[torch.Tensor] = []
+    position = header.data_offset
+    for offset, nbytes, _ in storages:
+        start = header.data_offset + offset
+        if start > position:  # the zeros between two storages
+            gap = f.read(start - position)
+            hasher.update(gap)
+            if len(gap) != start - position:
+                raise ValueError("torn flash checkpoint: it ended early")
+        host = hostmem.empty(nbytes)
+        if nbytes:
+            buffer = (ctypes.c_char * nbytes).from_address(host.data_ptr())
+            with memoryview(buffer) as view, view.cast("B") as flat:
+                _read_exactly(f, flat)
+                hasher.update(flat)
+        hosts.append(host)
+        position = start + nbytes
+    rest = f.read(end - position)
+    trailer = f.read(TRAILER_SIZE)
+    if len(rest) != end - position or trailer != header.content_id:
+        raise ValueError("torn flash checkpoint: its trailer does not match its header")
+    hasher.update(rest)
+    computed = hasher.digest()
+    if header.digest is not None and computed != header.digest:
+        what = getattr(f, "name", "flash checkpoint")
+        raise digest.CheckpointCorruptError(str(what), digest.text(header.digest), digest.text(computed))
+    return _build(description, header.step, storages, hosts, map_location)
+
+
+def _build(
+    description: dict[str, Any],
+    step: int,
+    storages: list[tuple[int, int, str]],
+    hosts: list[torch.Tensor],
+    map_location: MapLocation,
+) -> tuple[dict[str, Any], int]:
+    """The state from a verified description and its storages' bytes (one host tensor per storage)."""
+    try:
+        records = description["tensors"]
+        for record in records:
+            _check_view(record, storages)
+        loaded = [_place(host, loc, map_location) for host, (_, _, loc) in zip(hosts, storages, strict=True)]
+        state = _Decoder(_tensors(records, loaded)).decode(description["tree"])
+    except (KeyError, TypeError, IndexError, RecursionError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"malformed flash checkpoint description: {type(exc).__name__}: {exc}") from None
+    if not isinstance(state, dict):
+        raise ValueError("malformed flash checkpoint: the state is not a dict")
+    return state, step
+
+
+def parse(data: Buffer, map_location: MapLocation = None) -> tuple[dict[str, Any], int]:
     """``(state, step)`` from a file written by ``elastic.save``: this format, or torch.save's."""
     if is_flash(data):
         return parse_flash(data, map_location)
     return parse_torch(data, map_location)
 
 
-def parse_torch(data: bytes | memoryview, map_location: MapLocation) -> tuple[dict[str, Any], int]:
+def parse_torch(data: Buffer, map_location: MapLocation) -> tuple[dict[str, Any], int]:
     """A torch.save file of ``{"step", "state"}``, loaded with ``weights_only=True``: unpickling may
     only rebuild tensors, primitives and containers, never run code."""
     payload = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)

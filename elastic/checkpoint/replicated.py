@@ -38,16 +38,17 @@ import errno
 import logging
 import os
 import time
+import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from elastic import autoprogress, collectives, errors
-from elastic.checkpoint import flash, layout, segments
+from elastic.checkpoint import flash, hostmem, layout, segments
 from elastic.checkpoint.digest import CheckpointCorruptError
 from elastic.checkpoint.env import (
     CKPT_DIR_ENV,
@@ -61,7 +62,7 @@ from elastic.checkpoint.env import (
     resolve_dir,
     resolve_rank,
 )
-from elastic.contract import DEFAULT_CKPT_KEEP
+from elastic.contract import DEFAULT_CKPT_KEEP, INPROCESS_SOCKET
 from elastic.report import report, report_checkpoint, report_corrupt
 
 LATEST_MARKER = layout.LATEST_MARKER
@@ -216,7 +217,8 @@ def load_latest(
     candidates += [path for _, path in layout.checkpoint_files(directory) if path != marked]
 
     errors: list[str] = []
-    found = read_valid(candidates, lambda data: parse_checkpoint(data, map_location), errors)
+    with contextlib.ExitStack() as held:
+        found = read_valid(candidates, lambda data: parse_checkpoint(data, map_location), errors, held)
     if found is not None:
         return found[1]
     if errors:
@@ -254,7 +256,9 @@ def load(
     after :func:`elastic.init_process_group`.
 
     Without a process group in a multi-rank world (no collective to agree with), the step the job
-    master recorded as committed (``ELASTIC_COMMITTED_STEP``, set by elastic-run) is the agreement.
+    master recorded as committed (``ELASTIC_COMMITTED_STEP``, set by elastic-run) is the agreement; before
+    the master knows one, under an agent that offers in-process recovery, this node's newest copy (the
+    ranks then agree inside :func:`elastic.run`).
     ``ELASTIC_CKPT_RESET=1`` (``elastic-run --ckpt-reset``, first start only) makes this rank ignore its
     own checkpoints: with it on every rank, training starts fresh.
 
@@ -282,15 +286,33 @@ def load(
     committed = env_int(COMMITTED_STEP_ENV, None)
     wanted = step
     if wanted is None and world == 0 and (env_int("WORLD_SIZE", 1) or 1) > 1 and copies:
-        if committed is None:
+        if committed is not None:
+            wanted = committed
+        elif os.environ.get(INPROCESS_SOCKET):
+            # The agent offers in-process recovery, and the job master knows no committed step yet (a worker
+            # lost within a heartbeat of the first save): this process was started to join the live ranks,
+            # and elastic.run agrees on the state with them before training (the newest committed step
+            # is sent to every rank that lacks it), so this node's newest copy is only a starting point.
+            log.warning(
+                "elastic.load without a process group and no committed step known yet: restoring this "
+                "node's newest copy (step %d); elastic.run agrees on the state with the other ranks",
+                max(copies),
+            )
+        else:
             raise CheckpointError(
                 "cannot agree on a checkpoint step without a process group: call "
                 "elastic.init_process_group() before elastic.load()"
             )
-        wanted = committed
     rank = torch.distributed.get_rank() if world > 0 else 0
     try:
-        found = restore(copies, world, rank, wanted, lambda data: parse_checkpoint(data, map_location))
+        found = restore(
+            copies,
+            world,
+            rank,
+            wanted,
+            lambda data: parse_checkpoint(data, map_location),
+            lambda f: flash.read_flash_file(f, map_location),
+        )
     except NothingLoadableError as exc:
         if wanted is not None:
             raise CheckpointError(f"checkpoint step {wanted} is not loadable by any rank: {exc}") from None
@@ -303,7 +325,7 @@ def load(
         if wanted is not None:
             raise CheckpointError(f"checkpoint step {wanted} is not loadable by any rank: no rank holds it")
         return None
-    (state, _), chosen, source, data = found
+    (state, _), chosen, source, received = found
     if committed is not None and chosen < committed:
         log.warning(
             "restoring step %d, older than the committed step %d: no rank holds a copy of the newer one",
@@ -311,15 +333,15 @@ def load(
             committed,
         )
     _forget_newer_memory(chosen)
-    if chosen not in copies:
-        _keep_in_memory(chosen, data)
+    if chosen not in copies and received is not None:
+        _keep_in_memory(chosen, received)
     log.info("restored the checkpoint of step %d from %s", chosen, source)
     report(chosen)
     report_checkpoint(chosen)
     return state, chosen
 
 
-def _keep_in_memory(step: int, data: bytes) -> None:
+def _keep_in_memory(step: int, data: flash.Buffer) -> None:
     """Store a step received from a peer in this node's shared memory, so the node holds it too."""
     shm_dir = os.environ.get(SHM_DIR_ENV)
     if not shm_dir or node_local_rank() != 0 or not Path(shm_dir).is_dir():
@@ -567,15 +589,50 @@ def plan(holdings: Sequence[Sequence[int]], wanted: int | None, excluded: set[in
     return Plan(step, tuple(rank for rank, steps in enumerate(holdings) if step in steps))
 
 
+def _in_memory(path: Path) -> bool:
+    """Whether ``path`` is in the agent's shared-memory folder."""
+    shm_dir = os.environ.get(SHM_DIR_ENV)
+    return bool(shm_dir) and path.parent.resolve() == Path(str(shm_dir)).resolve()
+
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[flash.Buffer]:
+    """A checkpoint's bytes: mapped where the file is in the agent's shared memory (its pages are in
+    memory already), read where it is on disk (a mapping would fault a cold file's pages in one by one)."""
+    if _in_memory(path):
+        with layout.map_shared(path) as mapped:
+            yield mapped
+    else:
+        yield layout.read_shared(path)
+
+
 def read_valid(
-    paths: Sequence[Path], parse: Callable[[bytes], Any], errors: list[str]
-) -> tuple[bytes, Any] | None:
-    """The bytes of the first of ``paths`` that ``parse`` accepts (it raises on a bad file), parsed."""
+    paths: Sequence[Path],
+    parse: Callable[[flash.Buffer], Any],
+    errors: list[str],
+    held: contextlib.ExitStack,
+    read_file: Callable[[BinaryIO], Any] | None = None,
+) -> tuple[flash.Buffer, Any] | None:
+    """The bytes of the first of ``paths`` that ``parse`` accepts (it raises on a bad file), parsed.
+
+    A file in shared memory is mapped, not read (:func:`~elastic.checkpoint.layout.map_shared`):
+    ``parse`` copies its storages once, from where they lie into the restored tensors. The map and its
+    shared lock stay in ``held`` (the caller's: a holder broadcasts the same bytes to the other ranks),
+    so the flash writer never recycles the file meanwhile. With ``read_file`` (no other rank needs the
+    bytes), a file in shared memory is read by it instead, under the same lock (the bytes returned are
+    then empty): :func:`elastic.checkpoint.flash.read_flash_file` reads each storage straight into its
+    restored tensor, with no mapping's page tables to fill.
+    """
     for path in paths:
         try:
-            # Under a shared lock: the flash writer of a shared-memory folder never recycles it meanwhile.
-            data = layout.read_shared(path)
-            return data, parse(data)
+            if read_file is not None and _in_memory(path):
+                with layout.open_shared(path) as f:
+                    return b"", read_file(f)
+            with contextlib.ExitStack() as this_file:
+                data = this_file.enter_context(_opened(path))
+                parsed = parse(data)
+                held.enter_context(this_file.pop_all())  # accepted: open until the caller is done
+            return data, parsed
         except CheckpointCorruptError as exc:
             # Bytes that changed after their save: never loaded, reported (the master's event
             # checkpoint_corrupt), and the next copy is tried (a peer's, an older step's, the disk's).
@@ -593,8 +650,9 @@ def restore(
     world: int,
     rank: int,
     wanted: int | None,
-    parse: Callable[[bytes], Any],
-) -> tuple[Any, int, str, bytes] | None:
+    parse: Callable[[flash.Buffer], Any],
+    read_file: Callable[[BinaryIO], Any] | None = None,
+) -> tuple[Any, int, str, flash.Buffer | None] | None:
     """Restore the newest step any rank holds; a collective when ``world`` > 1 (call it on every rank).
 
     Args:
@@ -603,38 +661,77 @@ def restore(
         rank: this rank's place in the group.
         wanted: restore exactly this step, or ``None`` for the newest.
         parse: turns a file's bytes into the restored value; raises on a damaged file.
+        read_file: the same from an open file (used alone, where no rank needs the bytes sent).
 
     Returns:
-        ``(parsed, step, source, data)`` (``source`` says whose file, ``data`` are its bytes), or
-        ``None`` when no rank holds a step (or ``wanted``).
+        ``(parsed, step, source, received)`` (``source`` says whose file; ``received`` are its bytes when
+        they came from another rank, None when this rank read its own copy), or ``None`` when no rank
+        holds a step (or ``wanted``).
 
     Raises:
         NothingLoadableError: steps are held, but no copy of any of them loads on its holder.
     """
     errors: list[str] = []
-    if world <= 1:
-        excluded: set[int] = set()
-        while (chosen := plan([sorted(copies)], wanted, excluded)) is not None:
-            found = read_valid(copies[chosen.step], parse, errors)
-            if found is not None:
-                return found[1], chosen.step, "this rank", found[0]
-            excluded.add(chosen.step)
+    with contextlib.ExitStack() as held:  # the maps of files read here, open until the bytes are sent
+        if world <= 1:
+            excluded: set[int] = set()
+            while (chosen := plan([sorted(copies)], wanted, excluded)) is not None:
+                found = read_valid(copies[chosen.step], parse, errors, held, read_file)
+                if found is not None:
+                    return found[1], chosen.step, "this rank", None
+                excluded.add(chosen.step)
+            _raise_if_held(excluded, errors)
+            return None
+
+        holdings = collectives.all_step_lists(copies, world)
+        excluded = set()
+        while (chosen := plan(holdings, wanted, excluded)) is not None:
+            for holder in chosen.holders:
+                found = read_valid(copies[chosen.step], parse, errors, held) if holder == rank else None
+                sent = broadcast_file(found[0] if found is not None else None, src=holder)
+                if sent is None:
+                    continue
+                if found is not None:  # the holder parsed its own bytes already
+                    return found[1], chosen.step, "this rank", None
+                return parse(sent), chosen.step, f"rank {holder}", sent
+            excluded.add(chosen.step)  # no holder could read it: the next newest, together
         _raise_if_held(excluded, errors)
         return None
 
-    holdings = collectives.all_step_lists(copies, world)
-    excluded = set()
-    while (chosen := plan(holdings, wanted, excluded)) is not None:
-        for holder in chosen.holders:
-            found = read_valid(copies[chosen.step], parse, errors) if holder == rank else None
-            received = collectives.broadcast_bytes(found[0] if found else None, src=holder)
-            if received is not None:
-                # The holder parsed its own bytes already; the others parse what they received.
-                parsed = found[1] if found is not None else parse(received)
-                return parsed, chosen.step, "this rank" if holder == rank else f"rank {holder}", received
-        excluded.add(chosen.step)  # no holder could read it: the next newest, together
-    _raise_if_held(excluded, errors)
-    return None
+
+def broadcast_file(data: flash.Buffer | None, src: int) -> flash.Buffer | None:
+    """Rank ``src``'s file bytes on every rank (``None`` on every rank when it has none): a collective,
+    the length first (-1 for none), then the bytes as one uint8 tensor (as ``broadcast_bytes``).
+
+    The sender sends from its buffer (the file's map, no copy); a receiver receives straight into a
+    private map faulted in huge pages (:func:`elastic.checkpoint.hostmem.anonymous`), which the parse then
+    copies into the restored tensors: one copy of the bytes after the transfer, never two.
+    """
+    if collectives.world_size() <= 1:
+        return data
+    device = collectives.collective_device(str(torch.distributed.get_backend()))
+    length = torch.tensor([-1 if data is None else len(data)], dtype=torch.int64, device=device)
+    collectives.lend(length)
+    torch.distributed.broadcast(length, src=src)
+    size = int(length.item())
+    if size <= 0:
+        return None if size < 0 else b""
+    with warnings.catch_warnings():
+        # frombuffer warns that a read-only map is not writable: the sender's tensor is only read.
+        warnings.simplefilter("ignore", UserWarning)
+        if data is not None:
+            payload = torch.frombuffer(data, dtype=torch.uint8).to(device)
+            collectives.lend(payload)
+            torch.distributed.broadcast(payload, src=src)
+            return data
+        received = hostmem.anonymous(size)
+        target = torch.frombuffer(received, dtype=torch.uint8)
+    payload = target if device.type == "cpu" else torch.empty(size, dtype=torch.uint8, device=device)
+    collectives.lend(payload)
+    torch.distributed.broadcast(payload, src=src)
+    if payload is not target:
+        target.copy_(payload)
+    return received
 
 
 def _raise_if_held(failed_steps: set[int], errors: list[str]) -> None:
@@ -643,7 +740,7 @@ def _raise_if_held(failed_steps: set[int], errors: list[str]) -> None:
         raise NothingLoadableError(f"steps {sorted(failed_steps)} are held but none loads; here: {here}")
 
 
-def parse_checkpoint(data: bytes, map_location: Any) -> tuple[dict[str, Any], int]:
+def parse_checkpoint(data: flash.Buffer, map_location: Any) -> tuple[dict[str, Any], int]:
     """``(state, step)`` from the bytes of a file written by ``elastic.save``; raises if it is not one.
 
     A flash file (:mod:`elastic.checkpoint.flash`, recognised by its magic: memory copies, and disk copies

@@ -32,7 +32,7 @@ import os
 import shutil
 import socket
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from elastic import collectives, errors
+from elastic.checkpoint import hostmem
 from elastic.checkpoint import shard_layout as sl
 from elastic.checkpoint.digest import CheckpointCorruptError
 from elastic.checkpoint.env import CheckpointError
@@ -131,7 +132,7 @@ def writers(keys: list[int]) -> list[int]:
     return [first[key] for key in keys]
 
 
-def node_needs(reads: list[Iterable[int]], writer_of: list[int]) -> dict[int, set[int]]:
+def node_needs(reads: Sequence[Iterable[int]], writer_of: list[int]) -> dict[int, set[int]]:
     """The files each node's ranks read, by the node's writer rank."""
     needs: dict[int, set[int]] = {}
     for rank, files in enumerate(reads):
@@ -219,35 +220,73 @@ def recv_file(path: Path, src: int) -> None:
             return
         f.truncate(size)
         with mmap.mmap(f.fileno(), size) as mapped:
-            target = torch.frombuffer(mapped, dtype=torch.uint8)
-            if device.type == "cpu":
-                dist.recv(target, src)
-            else:
-                staged = torch.empty(size, dtype=torch.uint8, device=device)
-                dist.recv(staged, src)
-                target.copy_(staged)
-            del target
+            _recv_into(mapped, size, src, device)
+
+
+def recv_memory(src: int) -> mmap.mmap | None:
+    """Receive a file sent by :func:`send_file` on rank ``src`` into private memory of this process (an
+    anonymous map, faulted in huge pages where the kernel allows: :mod:`elastic.checkpoint.hostmem`);
+    None for an empty file. For a file only this process reads: no shared-memory file's pages to fault
+    in one by one (tmpfs has no huge pages here), and the memory goes with the map."""
+    device = _device()
+    size_t = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size_t, src)
+    size = int(size_t.item())
+    if size == 0:
+        return None
+    mapped = hostmem.anonymous(size)
+    _recv_into(mapped, size, src, device)
+    return mapped
+
+
+def _recv_into(mapped: mmap.mmap, size: int, src: int, device: torch.device) -> None:
+    """Receive ``size`` bytes from rank ``src`` straight into ``mapped`` (through the device when the
+    group's backend sends device tensors); no view of the map outlives the call, so it can be closed."""
+    target = torch.frombuffer(mapped, dtype=torch.uint8)
+    if device.type == "cpu":
+        dist.recv(target, src)
+    else:
+        staged = torch.empty(size, dtype=torch.uint8, device=device)
+        dist.recv(staged, src)
+        target.copy_(staged)
+    del target
 
 
 def run_transfers(
-    transfers: list[Transfer], rank: int, names: Mapping[int, str], source: Mapping[str, Path], target: Path
-) -> int:
-    """Perform this rank's part of ``transfers`` in order; returns the bytes received.
+    transfers: list[Transfer],
+    rank: int,
+    names: Mapping[int, str],
+    source: Mapping[str, Path],
+    target: Path,
+    private: Iterable[int] = (),
+) -> tuple[int, dict[str, mmap.mmap]]:
+    """Perform this rank's part of ``transfers`` in order; returns the bytes received, and the files
+    received into this process's memory (:func:`recv_memory`) by name.
 
     Args:
         names: file id -> file name.
         source: file name -> this rank's copy (for the files it sends).
         target: the folder received files are written to (this rank's node's assembly folder).
+        private: files only this rank reads: received into its memory, not into ``target``.
     """
     received = 0
+    in_memory: dict[str, mmap.mmap] = {}
+    private = set(private)
     for t in transfers:
         if t.src == rank:
             send_file(source[names[t.file]], t.dst)
+        elif t.dst == rank and t.file in private:
+            mapped = recv_memory(t.src)
+            if mapped is None:
+                (target / names[t.file]).touch()
+            else:
+                in_memory[names[t.file]] = mapped
+                received += len(mapped)
         elif t.dst == rank:
             path = target / names[t.file]
             recv_file(path, t.src)
             received += path.stat().st_size
-    return received
+    return received, in_memory
 
 
 # -- the folder dcp.load reads ----------------------------------------------------------------------
@@ -271,6 +310,25 @@ class DamagedShardsError(CheckpointCorruptError):
 _RESTORE_SUBDIR = "restore"
 
 
+@dataclass
+class Assembled:
+    """What :func:`assemble` made of a step on this rank."""
+
+    folder: Path  # the folder dcp.load reads (its metadata, and the files in it)
+    writes: bool  # this rank assembled the folder (and removes it after the load)
+    received: int  # bytes this rank received from other nodes
+    #: Files received into this process's memory (only this rank reads them), by name: the reader
+    #: (:func:`reader`) copies from them; :meth:`close` frees them.
+    in_memory: dict[str, mmap.mmap]
+
+    def close(self) -> None:
+        """Free the files received into memory (unmapped now, or once no tensor views them)."""
+        for mapped in self.in_memory.values():
+            with contextlib.suppress(BufferError):
+                mapped.close()
+        self.in_memory = {}
+
+
 def assemble(
     state: dict[str, Any],
     step: int,
@@ -279,9 +337,9 @@ def assemble(
     manifest: dict[str, int] | None,
     shm: Path | None,
     world: int,
-) -> tuple[Path, bool, int]:
-    """The folder ``dcp.load`` reads on this node, whether this rank assembled it (and removes it), and
-    the bytes this rank received from other nodes.
+) -> Assembled:
+    """The folder ``dcp.load`` reads on this node, whether this rank assembled it (and removes it), the
+    bytes this rank received from other nodes, and the files it received into its own memory.
 
     A node that holds the whole step in one folder reads it there. Any other node assembles, in a folder
     of its own, links to the files it holds and the files it lacks, received from a rank that holds
@@ -328,9 +386,11 @@ def assemble(
     collectives.barrier()  # the metadata is in place: each rank plans its reads from it
     reads = files_read(state, target)
     read_ids = sorted(names) if reads is None else sorted(f for f, n in names.items() if n in reads)
-    needs = node_needs(
-        [[f for f in got if f >= 0] for got in collectives.gather_ints(read_ids, world)], writer_of
-    )
+    reads_by_rank = [[f for f in got if f >= 0] for got in collectives.gather_ints(read_ids, world)]
+    needs = node_needs(reads_by_rank, writer_of)
+    # Files that only this rank (a node's writer) reads go into its memory, not the node's folder.
+    others = {f for r, files in enumerate(reads_by_rank) if r != rank and writer_of[r] == rank for f in files}
+    private = set(read_ids) - others if writes else set()
     transfers = plan_transfers(needs, holders)
     # The node's writer checks the replicas its node reads, a sender those it sends.
     node_reads = needs.get(rank, ()) if writer_of[rank] == rank else ()
@@ -348,11 +408,11 @@ def assemble(
         for fid in sorted(needs.get(rank, ())):
             if names[fid] in mine:
                 _link_or_copy(mine[names[fid]], target / names[fid])
-    received = run_transfers(transfers, rank, names, mine, target)
+    received, in_memory = run_transfers(transfers, rank, names, mine, target, private)
     if received:
         log.info("received %.1f MiB of step %d's shards from other nodes", received / (1 << 20), step)
     collectives.barrier()  # every node's writer has its files before anyone reads
-    return target, writes, received
+    return Assembled(target, writes, received, in_memory)
 
 
 def _restore_dir(shm: Path | None, step: int, save_id: str) -> Path:
@@ -370,13 +430,14 @@ def _link_or_copy(source: Path, dest: Path) -> None:
         shutil.copyfile(source, dest)
 
 
-def reader(path: Path, shm: Path | None) -> Any:
-    """DCP's reader of ``path``: files in shared memory are copied from their mapping (one copy, no read
-    into a temporary tensor; :class:`elastic.checkpoint.dcp_io.MappedReader`), files on disk read as DCP
-    reads them."""
+def reader(path: Path, shm: Path | None, in_memory: Mapping[str, mmap.mmap] | None = None) -> Any:
+    """DCP's reader of ``path``: files in shared memory, or received into this process's memory
+    (``in_memory``, by name), are copied from their mapping (one copy, no read into a temporary tensor;
+    :class:`elastic.checkpoint.dcp_io.MappedReader`), files on disk read as DCP reads them."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from elastic.checkpoint.dcp_io import MappedReader
 
-    in_memory = shm is not None and path.resolve().is_relative_to(shm.resolve())
-    return MappedReader(path) if in_memory else FileSystemReader(path)
+    if in_memory or (shm is not None and path.resolve().is_relative_to(shm.resolve())):
+        return MappedReader(path, in_memory)
+    return FileSystemReader(path)

@@ -13,14 +13,23 @@ With a CA file (``tls_ca``) every address is spoken to over https and the master
 against that CA, host name included (``elastic.control.tls``). A TLS failure that retrying cannot fix (the
 certificate does not verify; the master speaks the other protocol) raises :class:`MasterTLSError` as soon
 as no other address answered, instead of counting as an unreachable master.
+
+With a token file (``token_file``), a 401 is not final at once: the file is read again and, if it holds
+another token (a rotated Kubernetes Secret), the call is retried with it; if that is refused too, with the
+previous token (the master has not seen the rotation yet). Only when the file still holds the refused token
+(or none) is the 401 the call's answer (elastic.control.token_source, docs/security.md "Rotating the
+token"). ``ELASTIC_TOKEN`` cannot change: rotation needs a file.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import secrets
 import threading
+from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -61,6 +70,7 @@ from elastic.control.stream_client import (
     stream_wanted,
 )
 from elastic.control.tls import client_context, describe_tls_failure, speaks_tls
+from elastic.control.token_source import WatchedToken
 
 __all__ = [
     "Backoff",
@@ -74,6 +84,12 @@ __all__ = [
 ]
 
 M = TypeVar("M", bound=BaseModel)
+
+log = logging.getLogger(__name__)
+
+#: Random bytes of the node secret a client names in its joins (as many as the master's own:
+#: master.job.liveness.SECRET_BYTES).
+NAMED_SECRET_BYTES = 32
 
 
 class Backoff:
@@ -124,11 +140,13 @@ class MasterClient:
         request_timeout: float = 10.0,
         tls_ca: str | None = None,
         stream: bool | None = None,
+        token_file: str | None = None,
     ) -> None:
         """``tls_ca``: CA file to verify the masters' certificates with; given, every address is https.
         Raises :class:`elastic.control.tls.TLSConfigError` when it cannot be used. ``stream``: whether the
         agent's
-        calls use the agent stream (default: yes, unless ``ELASTIC_MASTER_STREAM=0``)."""
+        calls use the agent stream (default: yes, unless ``ELASTIC_MASTER_STREAM=0``). ``token_file``: the
+        file ``token`` was read from, read again after a 401 (a rotated token; see the module's doc)."""
         self.addresses = list(addresses)
         # One context for every thread's client: loading the CA file once, and SSLContext is thread-safe.
         self._tls = client_context(tls_ca) if tls_ca else None
@@ -144,9 +162,17 @@ class MasterClient:
         # Node id -> the secret of the incarnation this client joined as: in memory only, never stored or
         # passed on (master.job.liveness); sent on every request for that node.
         self._secrets: dict[str, str] = {}
+        # Node id -> the secret this client names in its joins until a join answered one: a join whose reply
+        # is lost and that is then retried names the same secret, so the master takes the retry for the
+        # rejoin of the incarnation the lost attempt started, not for a duplicate (master.job.liveness).
+        self._named: dict[str, str] = {}
         #: Node id -> (round, term) of its newest assignment (see next_round).
         self._round_terms: dict[str, tuple[int, int]] = {}
         self._timeout = request_timeout
+        # Grace 0: a client accepts no token, it only asks the file which one to send (token_source).
+        self._token_source = WatchedToken(token, token_file, 0.0) if token_file else None
+        self._token_lock = threading.Lock()  # guards _token_said
+        self._token_said: str | None = None  # the token whose switch was logged last
         self._local = threading.local()
         self._preferred = 0
         if stream is None:
@@ -182,12 +208,14 @@ class MasterClient:
         wait: float = 0.0,
         timeout: float | None = None,
         node_id: str | None = None,
+        secret: str | None = None,
     ) -> M:
         # ``timeout`` (default: the client's) bounds each address's attempt, so that a master that
         # accepts connections but never answers (hung, partitioned, SIGSTOPped) costs only that long
         # before the next address is tried. ``op``: the call's name on the agent stream (None: HTTP only).
         timeout = self._timeout if timeout is None else timeout
-        secret = self._secrets.get(node_id) if node_id is not None else None
+        if secret is None and node_id is not None:  # ``secret``: the one a join names (the node's by default)
+            secret = self._secrets.get(node_id)
         # Unset optional fields stay out: a master of an older release refuses fields it does not know (a
         # heartbeat's ``term``), and their absence means the default.
         content = body.model_dump_json(exclude_unset=True) if body is not None else None
@@ -197,9 +225,16 @@ class MasterClient:
         for i in range(count):
             index = (self._preferred + i) % count
             try:
-                status, payload = self._exchange(
-                    index, method, path, op, content, params, secret, timeout=timeout, wait=wait
-                )
+                sent = self._headers["Authorization"]
+
+                def exchange(index: int = index) -> tuple[int, Any]:
+                    return self._exchange(
+                        index, method, path, op, content, params, secret, timeout=timeout, wait=wait
+                    )
+
+                status, payload = exchange()
+                if self._token_source is not None and _token_refused(status, payload):
+                    status, payload = self._after_unauthorized(sent, status, payload, exchange)
             except (httpx.TransportError, StreamError) as exc:
                 answers[self.addresses[index]] = f"no answer ({type(exc).__name__})"
                 tls_failure = tls_failure or self._tls_failure(exc, self.addresses[index], timeout)
@@ -219,6 +254,39 @@ class MasterClient:
         if tls_failure is not None:
             raise MasterTLSError(tls_failure)
         raise NoLeaderError(answers)
+
+    def _after_unauthorized(
+        self, sent: str, status: int, payload: Any, again: Callable[[], tuple[int, Any]]
+    ) -> tuple[int, Any]:
+        """A 401 (or 429 ``unauthorized``) to the ``Authorization`` header ``sent``: try each token the token
+        file suggests (:meth:`WatchedToken.alternatives`: the file's new token, then the previous one), once
+        each, and keep the first one answered otherwise. Returns the answer to keep: the refusal when none
+        helped."""
+        # No lock held over a call: a long-poll retried here must not hold up another thread's heartbeat.
+        # Threads that meet the 401 together may each try the alternatives; they try the same ones.
+        source = self._token_source
+        assert source is not None
+        if self._headers["Authorization"] != sent:  # another thread switched meanwhile: try its choice
+            sent = self._headers["Authorization"]
+            status, payload = again()
+            if not _token_refused(status, payload):
+                return status, payload
+        for token in source.alternatives(sent.removeprefix("Bearer ")):
+            self._headers["Authorization"] = f"Bearer {token}"  # the streams open with these headers too
+            status, payload = again()
+            if not _token_refused(status, payload):
+                with self._token_lock:
+                    if self._token_said != token:  # one line per switch, not one per thread
+                        self._token_said = token
+                        which = "new" if token == source.current else "previous"
+                        log.info(
+                            "the master refused the job token; it accepts the %s token of %s: using it",
+                            which,
+                            source.path,
+                        )
+                return status, payload
+        self._headers["Authorization"] = f"Bearer {source.current}"
+        return status, payload
 
     def _exchange(
         self,
@@ -244,6 +312,8 @@ class MasterClient:
             except (NoStream, StreamFrameTooLarge):
                 pass  # a master without the stream, or a call over a frame's limit: plain HTTP
         headers = {"Content-Type": "application/json"} if content is not None else {}
+        # The token of now (a rotation switches it), over the one the thread's client was made with.
+        headers["Authorization"] = self._headers["Authorization"]
         if secret:
             headers[NODE_SECRET_HEADER] = secret
         try:
@@ -289,9 +359,16 @@ class MasterClient:
         return self._call("GET", "/info", JobInfo, op="info")
 
     def join(self, req: JoinRequest) -> JoinReply:
-        """Join as ``req.node_id``, with the secret held for it if any (a rejoin of the same incarnation);
-        the reply's secret is held from now on (none once the job is over)."""
-        reply = self._call("POST", "/join", JoinReply, op="join", body=req, node_id=req.node_id)
+        """Join as ``req.node_id``, with the secret held for it (a rejoin of the same incarnation), else the
+        one this client names for it (a new incarnation takes it: retrying a join whose reply was lost is
+        then that incarnation's rejoin). The reply's secret is held from now on (none once the job is
+        over)."""
+        secret = self._secrets.get(req.node_id) or self._named.setdefault(
+            req.node_id, secrets.token_urlsafe(NAMED_SECRET_BYTES)
+        )
+        reply = self._call(
+            "POST", "/join", JoinReply, op="join", body=req, node_id=req.node_id, secret=secret
+        )
         if reply.node_secret:
             self._secrets[req.node_id] = reply.node_secret
         else:
@@ -357,6 +434,12 @@ def _text(payload: Any) -> str:
     if isinstance(payload, (bytes, bytearray)):
         return bytes(payload).decode("utf-8", errors="replace")
     return json.dumps(payload)
+
+
+def _token_refused(status: int, payload: Any) -> bool:
+    """Whether an answer refuses the bearer token: 401, or 429 ``unauthorized`` (too many wrong tokens
+    from this address lately; a valid token is never refused so)."""
+    return status == 401 or (status == 429 and _rejection(status, payload).code == ErrorCode.UNAUTHORIZED)
 
 
 def _validated(reply: type[M], payload: Any) -> M:

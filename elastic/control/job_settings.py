@@ -21,6 +21,15 @@ DEFAULT_REJOIN_TIMEOUT_S = 30.0
 #: A node whose step time (compute time with elastic.track_ddp) exceeds this many times the nodes' median
 #: is flagged as a straggler (docs/failures.md).
 DEFAULT_STRAGGLER_FACTOR = 2.0
+#: ``--straggler-policy`` (docs/failures.md, master.job.stragglers): report only | evict | replace.
+StragglerPolicyMode = Literal["report", "evict", "replace"]
+STRAGGLER_POLICIES: tuple[StragglerPolicyMode, ...] = get_args(StragglerPolicyMode)
+#: Steps a node must stay flagged before the policy acts. Its figure is already a median of its last 20
+#: steps (one slow step, or fewer than about 10, never flags it); 5 more let a node whose first steps after
+#: a restart are slow clear first, and still evict a node slowed for good within about 20 of its steps.
+DEFAULT_STRAGGLER_WINDOW = 5
+#: Seconds an evicted straggler stays excluded (as long as a flapping node: a repair takes that long).
+DEFAULT_STRAGGLER_COOLDOWN_S = 600.0
 #: ``--node-check``: off | on (exclude failed or slow nodes before the first round) | warn (report only).
 NodeCheckMode = Literal["off", "on", "warn"]
 NODE_CHECK_MODES: tuple[NodeCheckMode, ...] = get_args(NodeCheckMode)
@@ -32,6 +41,10 @@ DEFAULT_NODE_CHECK_FACTOR = 3.0
 DEFAULT_FLAP_LIMIT = 3
 DEFAULT_FLAP_WINDOW_S = 300.0
 DEFAULT_FLAP_COOLDOWN_S = 600.0
+#: A node named the odd replica by the integrity guard this many times within the window is excluded as
+#: suspect hardware (docs/integrity.md; master.job.findings); 0 turns it off.
+DEFAULT_SUSPECT_COUNT = 2
+DEFAULT_SUSPECT_WINDOW_S = 24 * 3600.0
 #: Crash loops (docs/failures.md, master.job.crash_loop): the same failure twice within this many seconds,
 #: with no progress in between, stops the job as deterministic (exit 3). A restart of a large job (restore,
 #: compile, data loading) takes minutes, so a loop's failures can be that far apart; failures further
@@ -77,12 +90,18 @@ class JobSettings:
     max_restarts: int = DEFAULT_MAX_RESTARTS
     rejoin_timeout_s: float = DEFAULT_REJOIN_TIMEOUT_S
     straggler_factor: float = DEFAULT_STRAGGLER_FACTOR
+    straggler_policy: StragglerPolicyMode = "report"
+    straggler_window: int = DEFAULT_STRAGGLER_WINDOW
+    straggler_cooldown_s: float = DEFAULT_STRAGGLER_COOLDOWN_S
     node_check: NodeCheckMode = "off"
     node_check_factor: float = DEFAULT_NODE_CHECK_FACTOR
     #: 0 turns the flapping policy off (master.job.flapping).
     flap_limit: int = DEFAULT_FLAP_LIMIT
     flap_window_s: float = DEFAULT_FLAP_WINDOW_S
     flap_cooldown_s: float = DEFAULT_FLAP_COOLDOWN_S
+    #: 0 turns the suspect-hardware exclusion off (master.job.findings).
+    suspect_count: int = DEFAULT_SUSPECT_COUNT
+    suspect_window_s: float = DEFAULT_SUSPECT_WINDOW_S
     #: A known deterministic start-up error (import, syntax, missing file, /dev/shm too small) stops the
     #: job at its first occurrence; False charges it as a restart (files that appear late: network mounts).
     stop_on_startup_error: bool = True
@@ -107,6 +126,11 @@ class JobSettings:
                 raise SettingsError(f"{name} must be > 0")
         if self.crash_loop_window_s < 0:
             raise SettingsError(f"--crash-loop-window must be >= 0 (0: off), got {self.crash_loop_window_s}")
+        if self.suspect_count < 0 or self.suspect_window_s <= 0:
+            raise SettingsError(
+                f"--suspect-count must be >= 0 (0: off) and --suspect-window > 0, got {self.suspect_count} "
+                f"and {self.suspect_window_s}"
+            )
         if self.flap_limit < 0:
             raise SettingsError(f"--flap-limit must be >= 0 (0: off), got {self.flap_limit}")
         for name in ("flap_window_s", "flap_cooldown_s"):
@@ -115,6 +139,16 @@ class JobSettings:
         for name in ("straggler_factor", "node_check_factor"):
             if getattr(self, name) <= 1:
                 raise SettingsError(f"--{name.replace('_', '-')} must be > 1, got {getattr(self, name)}")
+        if self.straggler_policy not in STRAGGLER_POLICIES:
+            raise SettingsError(
+                f"--straggler-policy must be one of {', '.join(STRAGGLER_POLICIES)}, "
+                f"got {self.straggler_policy!r}"
+            )
+        if self.straggler_window < 1 or self.straggler_cooldown_s <= 0:
+            raise SettingsError(
+                f"--straggler-window must be >= 1 and --straggler-cooldown > 0, got {self.straggler_window} "
+                f"and {self.straggler_cooldown_s}"
+            )
         if self.node_check not in NODE_CHECK_MODES:
             raise SettingsError(
                 f"--node-check must be one of {', '.join(NODE_CHECK_MODES)}, got {self.node_check!r}"

@@ -391,23 +391,52 @@ class RoundReply(_Reply):
     )
 
 
-class CheckpointCorruption(_Model):
-    """A copy of a checkpoint whose bytes failed their digest check (elastic.checkpoint.digest): found by a
-    worker's restore (which went on with another copy) or by the agent before a persist (not persisted)."""
+class IntegrityFinding(_Model):
+    """What the integrity guard (elastic.integrity) found at a step: a detection, or with
+    ``rolled_back_to`` the in-process rollback that followed it (docs/integrity.md)."""
+
+    kind: str = Field(max_length=32, description="'non_finite', 'mismatch' or 'spike'.")
+    ranks: list[int] = Field(
+        default_factory=list, max_length=64, description="The global ranks named (the first 64)."
+    )
+    world_size: int = Field(default=0, ge=0, description="The replicas compared.")
+    named_here: bool = Field(default=False, description="A worker of the reporting node is one of ``ranks``.")
+    odd: bool = Field(
+        default=False, description="A mismatch naming a strict minority of the replicas: the odd one(s)."
+    )
+    recurring: bool = Field(
+        default=False, description="The same NaN or spike was found at that step before a rollback."
+    )
+    rolled_back_to: int | None = Field(
+        default=None, ge=0, description="The verified step the job rolled back to (a rollback report)."
+    )
+    samples: list[int] = Field(
+        default_factory=list, max_length=256, description="The step's global sample indices, when known."
+    )
+
+
+class Finding(_Model):
+    """Something a node found wrong and reports once: a copy of a checkpoint whose bytes failed their
+    digest check (elastic.checkpoint.digest), found by a worker's restore (which went on with another
+    copy) or by the agent before a persist (not persisted); or (``found_by`` 'integrity', with
+    ``integrity``) what the integrity guard found."""
 
     id: str = Field(
         max_length=64,
         description="Unique per report of one agent: the master records each id once, however often the "
         "agent sends it (it sends a report until a heartbeat that carried it is answered).",
     )
-    step: int = Field(ge=0, description="The checkpoint's step.")
+    step: int = Field(ge=0, description="The checkpoint's step, or the step the guard judged.")
     file: str = Field(default="", max_length=1024, description="The damaged copy (on that node).")
-    found_by: str = Field(default="", max_length=32, description="'restore' or 'persist'.")
+    found_by: str = Field(default="", max_length=32, description="'restore', 'persist' or 'integrity'.")
     detail: str = Field(default="", max_length=1024, description="The mismatch, or who found it.")
+    integrity: IntegrityFinding | None = Field(
+        default=None, description="The integrity guard's finding (found_by 'integrity'); sent only then."
+    )
 
 
-#: Corruption reports one heartbeat carries at most (the agent keeps the newest).
-CORRUPTIONS_MAX = 16
+#: Findings one heartbeat carries at most (the agent keeps the newest).
+FINDINGS_MAX = 16
 
 
 class HeartbeatRequest(_Model):
@@ -453,12 +482,13 @@ class HeartbeatRequest(_Model):
         default=None, description="Newest sharded save's step minus the replicated step (None: off)."
     )
     replication_error: str = Field(default="", max_length=PERSIST_ERROR_MAX)
-    ckpt_corrupt: list[CheckpointCorruption] = Field(
+    ckpt_corrupt: list[Finding] = Field(
         default_factory=list,
-        max_length=CORRUPTIONS_MAX,
-        description="Checkpoint copies on this node found damaged (their digest did not match) and not yet "
-        "acknowledged by an answered heartbeat; sent only when there are some (soft state; the master "
-        "records event checkpoint_corrupt once per id).",
+        max_length=FINDINGS_MAX,
+        description="Findings of this node not yet acknowledged by an answered heartbeat: checkpoint copies "
+        "found damaged (their digest did not match), and the integrity guard's detections and rollbacks; "
+        "sent only when there are some (soft state; the master records each id once: events "
+        "checkpoint_corrupt, integrity_detected, integrity_rolled_back).",
     )
 
 
@@ -580,6 +610,11 @@ class JobStatus(_Reply):
         default="",
         description="Why the job was stopped as deterministic (crash loop): the root cause and the rule "
         "(master.job.crash_loop); empty unless it was.",
+    )
+    spares: list[str] = Field(
+        default_factory=list,
+        description="Hot spares, in join order: nodes beyond the running round's maximum, registered and "
+        "heartbeating, that take a lost member's node rank at the next round.",
     )
 
 

@@ -253,7 +253,9 @@ def _roll_back(
 
     verdict = fault.verdict
     target = verdict.rollback_to
-    report_integrity(verdict, rank=world.rank)
+    # A recurring fault ends the job (the master stops it, exit 3): name the samples of its step.
+    samples = _step_samples(state, verdict.step) if verdict.recurring and world.rank == 0 else []
+    report_integrity(verdict, rank=world.rank, world_size=world.world_size, samples=samples)
     if target is None or verdict.recurring:
         raise fault
     loaded = replicated.load(step=target)
@@ -270,7 +272,7 @@ def _roll_back(
         obj.load_state_dict(saved[name])
     committed.take(restored)
     guard.rolled_back(restored)
-    report_integrity(verdict, rank=world.rank, rolled_back_to=restored)
+    report_integrity(verdict, rank=world.rank, world_size=world.world_size, rolled_back_to=restored)
     log.warning(
         "rank %d: integrity rollback in process from step %d to the verified step %d (%s)",
         world.rank,
@@ -279,6 +281,16 @@ def _roll_back(
         verdict.kind,
     )
     return replace(world, step=restored)
+
+
+def _step_samples(state: Mapping[str, Stateful], step: int) -> list[int]:
+    """The global sample indices of ``step`` from a sampler in ``state`` that stands at it (an
+    :class:`elastic.ElasticSampler`'s ``last_step_indices``); empty when none knows them."""
+    for obj in state.values():
+        indices = getattr(obj, "last_step_indices", None)
+        if callable(indices) and getattr(obj, "step", None) == step:
+            return list(indices())
+    return []
 
 
 def _leave(control: GroupControl, committed: Committed, link: AgentLink, timeout_s: float | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 import sys
 import time
@@ -102,10 +103,49 @@ def _check_tls(cert: str | None, key: str | None) -> None:
     "readmit' lifts it earlier).",
 )
 @click.option(
+    "--suspect-count",
+    type=click.IntRange(min=0),
+    default=ms.DEFAULT_SUSPECT_COUNT,
+    show_default=True,
+    help="Exclude a node as suspect hardware (its agent exits 4) once the integrity guard names it the odd "
+    "replica this many times within --suspect-window ('elastic-master readmit' lifts it); 0 turns this off.",
+)
+@click.option(
+    "--suspect-window",
+    type=click.FloatRange(min=0, min_open=True),
+    default=ms.DEFAULT_SUSPECT_WINDOW_S,
+    show_default=True,
+    help="Seconds over which a node's namings as the odd replica count for --suspect-count.",
+)
+@click.option(
+    "--straggler-policy",
+    type=click.Choice(ms.STRAGGLER_POLICIES),
+    default="report",
+    show_default=True,
+    help="What happens to a straggler (--straggler-factor): report (status and events only); evict (flagged "
+    "for --straggler-window steps: removed from the next round while --nnodes MIN remain, its agent exits 4, "
+    "excluded for --straggler-cooldown); replace (the same, only when a spare takes its slot).",
+)
+@click.option(
+    "--straggler-window",
+    type=click.IntRange(min=1),
+    default=ms.DEFAULT_STRAGGLER_WINDOW,
+    show_default=True,
+    help="Steps of its own a node stays flagged as a straggler before --straggler-policy evict|replace acts.",
+)
+@click.option(
+    "--straggler-cooldown",
+    type=click.FloatRange(min=0, min_open=True),
+    default=ms.DEFAULT_STRAGGLER_COOLDOWN_S,
+    show_default=True,
+    help="Seconds an evicted straggler stays excluded ('elastic-master readmit' lifts it earlier).",
+)
+@click.option(
     "--token-file",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Bearer token file; created with a random token if missing.",
+    help="Bearer token file; created with a random token if missing. Re-read when it changes: the new "
+    "token is accepted at once, the previous one for one --heartbeat-timeout more (docs/security.md).",
 )
 @click.option(
     "--store",
@@ -186,6 +226,11 @@ def cli(ctx: click.Context, **opts) -> None:
             flap_limit=opts["flap_limit"],
             flap_window_s=opts["flap_window"],
             flap_cooldown_s=opts["flap_cooldown"],
+            suspect_count=opts["suspect_count"],
+            suspect_window_s=opts["suspect_window"],
+            straggler_policy=opts["straggler_policy"],
+            straggler_window=opts["straggler_window"],
+            straggler_cooldown_s=opts["straggler_cooldown"],
         )
     except ms.SettingsError as exc:
         raise click.UsageError(str(exc)) from None
@@ -209,6 +254,8 @@ def cli(ctx: click.Context, **opts) -> None:
     settings = ServerSettings(
         job=job,
         token=token,
+        # Re-read when it changes (a rotated Kubernetes Secret): ELASTIC_TOKEN cannot change, a file can.
+        token_file=os.path.abspath(opts["token_file"]) if opts["token_file"] else None,
         host=opts["host"],
         port=opts["port"],
         store_url=opts["store_url"],
@@ -347,8 +394,8 @@ def status(
 @click.argument("node_id")
 @client_options
 def readmit(node_id: str, master: str, job_id: str, token_file: str | None, tls_ca: str | None) -> None:
-    """Re-admit NODE_ID, excluded for flapping, before its --flap-cooldown ends: its next join is accepted
-    (docs/failures.md, "Flapping nodes")."""
+    """Re-admit NODE_ID, excluded for flapping (or as suspect hardware), before its cool-down ends: its next
+    join is accepted (docs/failures.md, "Flapping nodes"; docs/integrity.md)."""
     from elastic.control.error_table import MasterError
 
     client = _client(master, job_id, token_file, tls_ca)
@@ -362,11 +409,14 @@ def readmit(node_id: str, master: str, job_id: str, token_file: str | None, tls_
 
 
 def _master_error(exc: Exception) -> click.ClickException:
-    """A failed call to the master as one line: exit 2 when the address is no elastic-master (fix the
-    command), else 1."""
-    from elastic.control.error_table import NotAMasterError
+    """A failed call to the master as one line: exit 2 when the address is no elastic-master or the token is
+    refused (fix the command: docs/cli.md's table, "a refused or missing token"), else 1."""
+    from elastic.control.error_table import ErrorCode, MasterRejectedError, NotAMasterError
 
-    return _BadFileError(str(exc)) if isinstance(exc, NotAMasterError) else click.ClickException(str(exc))
+    refused = isinstance(exc, MasterRejectedError) and exc.code == ErrorCode.UNAUTHORIZED  # 401, or 429
+    if isinstance(exc, NotAMasterError) or refused:
+        return _BadFileError(str(exc))
+    return click.ClickException(str(exc))
 
 
 def _client(master: str, job_id: str, token_file: str | None, tls_ca: str | None):

@@ -116,7 +116,11 @@ def _flags(node: NodeStatus) -> str:
     flags = []
     if node.straggler:
         flags.append("straggler")
-    if node.readmit_in_s is not None:
+    if node.excluded_reason.startswith("suspect hardware"):  # master.job.flapping.FlapCounter.note_suspect
+        flags.append("suspect-hardware")
+    elif node.excluded_reason.startswith("straggler "):  # --straggler-policy (master.job.stragglers)
+        flags.append("straggler-evicted")
+    elif node.readmit_in_s is not None:
         flags.append("flapping")
     verdict = node.node_check_verdict.split(":", 1)[0]
     if verdict and verdict != "ok":

@@ -94,7 +94,7 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
 
 def create_app(service: MasterService) -> FastAPI:
     """Build the FastAPI application for one job."""
-    job_id, token = service.settings.job.job_id, service.settings.token
+    job_id = service.settings.job.job_id
 
     def authorize(
         authorization: Annotated[str | None, Header()] = None,
@@ -255,10 +255,10 @@ def create_app(service: MasterService) -> FastAPI:
     install_ui(app, service, failures)  # GET /ui: the status page, behind a login form (master/http/ui.py)
     if service.settings.metrics_port is not None:
         app.add_middleware(MetricsPortOnly, port=service.settings.metrics_port)
-    app.add_middleware(Gatekeeper, token=token, job_id=job_id, failures=failures)
+    app.add_middleware(Gatekeeper, token=service.tokens, job_id=job_id, failures=failures)
     # The agent stream's endpoint, for the connection protocol (master.http.serving gives it to
     # master.http.conn_guard).
-    app.state.agent_stream = StreamEndpoint(service, token, failures)
+    app.state.agent_stream = StreamEndpoint(service, service.tokens, failures)
     install_openapi(app)  # every status each route can return, the bearer scheme (master/http/openapi.py)
     return app
 

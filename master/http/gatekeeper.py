@@ -5,14 +5,16 @@ every refusal closes the connection, so a client without the token holds none op
 check is :func:`check_access`, which the agent stream's upgrade (master.http.stream) applies too; the token
 check alone, with the same per-address count, is :func:`check_token`, which ``/metrics`` and ``/ui/login``
 apply (master.http.metrics, master.http.ui). A request that passes marks its connection authenticated
-(master.http.conn_guard.mark_authenticated): never evicted first nor counted per address."""
+(master.http.conn_guard.mark_authenticated): never evicted first nor counted per address. The token is
+fixed bytes or a :class:`TokenCheck`: the master's :class:`elastic.control.token_source.WatchedToken`,
+which follows a rotated ``--token-file`` and accepts the previous token for one heartbeat timeout."""
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from elastic.control.error_table import ErrorCode
 from elastic.control.protocol import (
@@ -28,6 +30,19 @@ T = TypeVar("T")
 _JOB_HEADER = JOB_HEADER.lower().encode()
 
 
+class TokenCheck(Protocol):
+    """What accepts or refuses a bearer token (:class:`elastic.control.token_source.WatchedToken`)."""
+
+    def accepts(self, given: bytes) -> bool: ...
+
+
+def token_accepted(given: bytes, token: bytes | TokenCheck) -> bool:
+    """Whether ``given`` is ``token`` (fixed bytes, compared in constant time) or ``token`` accepts it."""
+    if isinstance(token, bytes):
+        return secrets.compare_digest(given, token)
+    return token.accepts(given)
+
+
 class Gatekeeper:
     """ASGI middleware in front of ``/v1``: token and job id first (401/409), then the body size (413).
 
@@ -38,12 +53,13 @@ class Gatekeeper:
     def __init__(
         self,
         app,
-        token: str,
+        token: str | TokenCheck,
         job_id: str,
         limit: int = MAX_BODY_BYTES,
         failures: PeerFailureLimiter | None = None,
     ) -> None:
-        self.app, self.token, self.job_id, self.limit = app, token.encode(), job_id, limit
+        self.app, self.job_id, self.limit = app, job_id, limit
+        self.token: bytes | TokenCheck = token.encode() if isinstance(token, str) else token
         self.failures = failures or PeerFailureLimiter()
 
     def _too_large(self) -> str:
@@ -86,10 +102,14 @@ class AccessRefusal:
 
 
 def check_access(
-    headers: dict[bytes, bytes], peer: str, token: bytes, job_id: str, failures: PeerFailureLimiter
+    headers: dict[bytes, bytes],
+    peer: str,
+    token: bytes | TokenCheck,
+    job_id: str,
+    failures: PeerFailureLimiter,
 ) -> AccessRefusal | None:
     """The gate's rule, for a request with ``headers`` (lower-case names) from address ``peer``: None when
-    the bearer token is ``token`` (compared in constant time) and ``X-Elastic-Job`` is ``job_id``; else the
+    the bearer token is accepted (:func:`token_accepted`) and ``X-Elastic-Job`` is ``job_id``; else the
     refusal: 401 (a wrong or missing token, counted against ``peer``), 429 when ``peer`` sent too many
     wrong tokens lately (never for a valid token), 409 ``wrong_job``. No I/O: the HTTP gate and the agent
     stream's upgrade both answer what it says."""
@@ -102,10 +122,13 @@ def check_access(
     return None
 
 
-def check_token(given: bytes, peer: str, token: bytes, failures: PeerFailureLimiter) -> AccessRefusal | None:
-    """None when ``given`` is ``token`` (compared in constant time); else 401 (counted against ``peer``),
-    or 429 when ``peer`` sent too many wrong tokens lately (never for a valid token)."""
-    if secrets.compare_digest(given, token):
+def check_token(
+    given: bytes, peer: str, token: bytes | TokenCheck, failures: PeerFailureLimiter
+) -> AccessRefusal | None:
+    """None when ``given`` is accepted (:func:`token_accepted`: ``token`` itself, or during a rotation's
+    grace the previous token too); else 401 (counted against ``peer``), or 429 when ``peer`` sent too many
+    wrong tokens lately (never for a valid token)."""
+    if token_accepted(given, token):
         return None
     if failures.blocked(peer):  # a valid token never gets here: only wrong ones are limited
         return AccessRefusal(

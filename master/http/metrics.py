@@ -209,6 +209,26 @@ def _job_metrics(job: Any, job_id: str, now: float) -> Iterator[Metric]:
         stats.checkpoint_corrupt,
         job_id,
     )
+    integrity = CounterMetricFamily(
+        "elastic_integrity_detections",
+        "Faults the integrity guard detected (docs/integrity.md), by kind: non_finite, mismatch, spike.",
+        labels=["job_id", "kind"],
+    )
+    for kind in ("non_finite", "mismatch", "spike"):
+        integrity.add_metric([job_id, kind], stats.integrity.get(kind, 0))
+    yield integrity
+    yield _counter(
+        "elastic_integrity_rollbacks",
+        "In-process rollbacks to a verified step after an integrity detection.",
+        stats.integrity.get("rolled_back", 0),
+        job_id,
+    )
+    yield from _gauge(
+        "elastic_integrity_suspect_nodes",
+        "Nodes excluded now as suspect hardware (named the odd replica --suspect-count times).",
+        sum(1 for e in job.flapping.excluded.values() if e.cause.startswith("suspect hardware")),
+        job_id,
+    )
     yield _counter(
         "elastic_leader_changes", "Times a master took over the job.", stats.leader_changes, job_id
     )
@@ -239,6 +259,12 @@ def _job_metrics(job: Any, job_id: str, now: float) -> Iterator[Metric]:
         job_id,
     )
     yield from _gauge("elastic_round", "The current round's number.", job.rdzv.round, job_id)
+    yield from _gauge(
+        "elastic_spare_nodes",
+        "Hot spares: nodes beyond the running round's maximum, ready to take a lost member's node rank.",
+        job.rdzv.spares_count,
+        job_id,
+    )
     yield from _gauge(
         "elastic_committed_step", "Newest checkpoint step every rank holds.", job.committed_step, job_id
     )
@@ -319,7 +345,7 @@ def add_metrics_route(app: FastAPI, service: Any, failures: PeerFailureLimiter) 
     (``failures``: 429 after as many as ``/v1`` allows)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(JobCollector(service))
-    token = service.settings.token.encode()
+    token = service.tokens  # a rotated --token-file is followed (elastic.control.token_source)
 
     @app.get(METRICS_PATH, response_class=Response, summary="Prometheus metrics (text format)")
     async def metrics(request: Request) -> Response:

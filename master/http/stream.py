@@ -44,7 +44,7 @@ from elastic.control.protocol import (
 )
 from master.http.conn_guard import ConnectionGuard, release_transport
 from master.http.errors import ApiError, http_status
-from master.http.gatekeeper import check_access, http_response, refusal_response
+from master.http.gatekeeper import TokenCheck, check_access, http_response, refusal_response
 from master.http.rate_limits import PeerFailureLimiter
 from master.http.wire_compat import for_client, revision
 from master.job.errors import JobError
@@ -87,8 +87,8 @@ class StreamEndpoint:
     """What every stream connection of one master shares: the service, the gate's token and its per-address
     count of wrong tokens (the same :class:`PeerFailureLimiter` as the HTTP gate's)."""
 
-    def __init__(self, service: MasterService, token: str, failures: PeerFailureLimiter) -> None:
-        self.service, self.token, self.failures = service, token.encode(), failures
+    def __init__(self, service: MasterService, token: TokenCheck, failures: PeerFailureLimiter) -> None:
+        self.service, self.token, self.failures = service, token, failures
         self.job_id = service.settings.job.job_id
         self.max_pending, self.max_frame = STREAM_MAX_PENDING, STREAM_MAX_FRAME_BYTES
         #: The last heartbeat reply encoded per protocol revision, with its bytes (_dump_command).

@@ -9,7 +9,8 @@ Access is behind the job's token, without putting the token in a URL or giving i
   ``/v1`` (master.http.gatekeeper.check_token): after as many, the form answers 429 until the window passed.
 * The session cookie (``elastic_ui_session``: HttpOnly, SameSite=Strict, ``Path=/ui``, Secure under TLS)
   is an expiry time signed with a key derived from the job token (HMAC-SHA256): every master of the job
-  (standbys too) accepts it, and a new token invalidates every session.
+  (standbys too) accepts it, and a new token invalidates every session (a rotated ``--token-file`` too, as
+  soon as the master sees the change: the key follows the current token).
 * The cookie authorizes the ``/ui`` routes only. The node and script API under ``/v1`` keeps requiring
   the bearer token (:class:`master.http.gatekeeper.Gatekeeper` is unchanged): a browser session cannot join,
   heartbeat or leave.
@@ -25,6 +26,7 @@ import hmac
 import html
 import secrets
 import time
+from collections.abc import Callable
 from importlib import resources
 from urllib.parse import parse_qs
 
@@ -66,8 +68,10 @@ def _asset(name: str) -> str:
 class Sessions:
     """Signed, expiring session values for one job (stateless: any master with the token checks them)."""
 
-    def __init__(self, token: str, job_id: str, clock=time.time) -> None:
-        self._key = hmac.new(token.encode(), b"elastic-run status page session", hashlib.sha256).digest()
+    def __init__(self, token: str | Callable[[], str], job_id: str, clock=time.time) -> None:
+        """``token``: the job token, or what returns the current one (a rotated token re-keys sessions)."""
+        self._token = token if callable(token) else (lambda: token)
+        self._keyed: tuple[str, bytes] | None = None  # (token, the key derived from it)
         self._job_id = job_id
         self._clock = clock
 
@@ -88,8 +92,15 @@ class Sessions:
             return False
         return expires > self._clock()
 
+    def _key(self) -> bytes:
+        token = self._token()
+        if self._keyed is None or self._keyed[0] != token:
+            key = hmac.new(token.encode(), b"elastic-run status page session", hashlib.sha256).digest()
+            self._keyed = (token, key)
+        return self._keyed[1]
+
     def _mac(self, expires: int) -> str:
-        return hmac.new(self._key, f"{self._job_id}|{expires}".encode(), hashlib.sha256).hexdigest()
+        return hmac.new(self._key(), f"{self._job_id}|{expires}".encode(), hashlib.sha256).hexdigest()
 
 
 def _unauthorized() -> Response:
@@ -129,7 +140,7 @@ def install_ui(app: FastAPI, service, failures: PeerFailureLimiter) -> None:
     ``failures``: the gate's count of wrong tokens per address, which the login form shares."""
     app.add_middleware(SecurityHeaders)
     settings = service.settings
-    sessions = Sessions(settings.token, settings.job.job_id)
+    sessions = Sessions(lambda: service.tokens.current, settings.job.job_id)
     secure = bool(settings.tls_cert)  # a Secure cookie is never sent over plain http
     page, login_page = _asset("page.html"), _asset("login.html")
     # A job without a token (torchrun's c10d spelling, docs/security.md) says so on its page, as on its
@@ -190,7 +201,7 @@ def install_ui(app: FastAPI, service, failures: PeerFailureLimiter) -> None:
             return login_form("The form expired or came from another site; log in again.", 403)
         token = (form.get("token") or [""])[0].strip()
         peer = request.client.host if request.client is not None else ""
-        refusal = check_token(token.encode(), peer, settings.token.encode(), failures)
+        refusal = check_token(token.encode(), peer, service.tokens, failures)
         if refusal is not None:
             if refusal.status != 401:  # 429: too many wrong tokens from this address lately
                 why = "Too many wrong tokens from this address; wait and retry."

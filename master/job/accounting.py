@@ -463,6 +463,8 @@ _VERDICTS: dict[str, str] = {  # keyed by members: they answer lookups by an eve
     EventKind.NODE_SUSPECT: "suspect",
     EventKind.NODE_EXCLUDED: "excluded",
     EventKind.NODE_FLAPPING_EXCLUDED: "excluded",
+    EventKind.STRAGGLER_EVICTED: "excluded",
+    EventKind.NODE_SUSPECT_EXCLUDED: "excluded",
     EventKind.STRAGGLER: "straggler",
 }
 
@@ -495,6 +497,7 @@ class JobStats:
     checkpoints_committed: int = 0  # times the job's committed step moved forward
     checkpoints_persisted: int = 0  # times the newest step some node made durable moved forward
     checkpoint_corrupt: int = 0  # checkpoint copies found failing their digest (restore or persist)
+    integrity: dict[str, int] = field(default_factory=dict)  # guard detections by kind, and "rolled_back"
     recovery: dict[tuple[str, str], Histogram] = field(default_factory=dict)  # (phase, cause) ->
 
     def apply(self, event: Event) -> None:
@@ -511,6 +514,9 @@ class JobStats:
             self.persist_failures += 1
         elif kind == EventKind.CHECKPOINT_CORRUPT:
             self.checkpoint_corrupt += 1
+        elif kind in (EventKind.INTEGRITY_DETECTED, EventKind.INTEGRITY_ROLLED_BACK):
+            what = str(event.data.get("kind", "")) if kind == EventKind.INTEGRITY_DETECTED else "rolled_back"
+            self.integrity[what] = self.integrity.get(what, 0) + 1
         elif kind == EventKind.MASTER_TAKEOVER:
             self.leader_changes += 1
         elif kind == EventKind.FIRST_STEP and event.cause:
@@ -532,6 +538,7 @@ class JobStats:
             "checkpoints_committed": self.checkpoints_committed,
             "checkpoints_persisted": self.checkpoints_persisted,
             "checkpoint_corrupt": self.checkpoint_corrupt,
+            "integrity": dict(self.integrity),
             "recovery": [
                 {"phase": p, "cause": c, "buckets": h.buckets, "count": h.count, "sum": h.total}
                 for (p, c), h in self.recovery.items()
@@ -552,6 +559,7 @@ class JobStats:
             checkpoints_committed=int(data.get("checkpoints_committed", 0)),
             checkpoints_persisted=int(data.get("checkpoints_persisted", 0)),
             checkpoint_corrupt=int(data.get("checkpoint_corrupt", 0)),
+            integrity={str(k): int(v) for k, v in (data.get("integrity") or {}).items()},
         )
         for h in data.get("recovery") or []:
             if len(h["buckets"]) == len(RECOVERY_BUCKETS):  # buckets of another layout are dropped

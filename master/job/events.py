@@ -18,7 +18,7 @@ request and tick (:meth:`master.job.job.Job.take_effects`) instead of diffing co
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypeVar
@@ -71,34 +71,22 @@ class EventKind(_Text):
     PERSIST_FAILED = "persist_failed"
     PERSIST_RECOVERED = "persist_recovered"
     CHECKPOINT_CORRUPT = "checkpoint_corrupt"  # a node found a checkpoint copy failing its digest
+    INTEGRITY_DETECTED = "integrity_detected"  # the guard found a NaN, a spike or a replica mismatch
+    INTEGRITY_ROLLED_BACK = (
+        "integrity_rolled_back"  # ...and the job rolled back in process to a verified step
+    )
+    NODE_SUSPECT_EXCLUDED = "node_suspect_excluded"  # named the odd replica too often: suspect hardware
     STRAGGLER = "straggler"
     STRAGGLER_CLEARED = "straggler_cleared"
+    STRAGGLER_EVICTED = "straggler_evicted"  # --straggler-policy evict|replace removed it
+    STRAGGLER_POLICY = "straggler_policy"  # the policy cannot act (no compute times), or keeps a straggler
     MASTER_TAKEOVER = "master_takeover"
     MASTER_STALLED = "master_stalled"
     MASTER_SUSPECTED = "master_suspected"  # it heard nothing from most nodes at once: holds, resigns
     MASTER_OVERLOADED = "master_overloaded"  # it sheds heartbeats (master.service.overload)
     MASTER_OVERLOAD_ENDED = "master_overload_ended"
-
-
-def news_of_corrupt(
-    node_id: str, seen: frozenset[str], reports: Sequence[Any]
-) -> list[tuple[str, dict[str, Any]]]:
-    """``(message, data)`` of an event ``checkpoint_corrupt`` for each of a heartbeat's reports of damaged
-    checkpoint copies (``elastic.control.protocol.CheckpointCorruption``) whose id is not in ``seen`` (the
-    ids its previous heartbeat carried). The agent sends a report until a heartbeat that carried it is
-    answered, so a repeated id is no news; after a master failover a report may be recorded twice, never
-    lost (soft state)."""
-    news = []
-    for found in reports:
-        if found.id in seen:
-            continue
-        where = f" ({found.file})" if found.file else ""
-        message = (
-            f"node {node_id}: a copy of the checkpoint of step {found.step}{where} failed its digest check "
-            f"at {found.found_by or 'restore'} and was not used: {found.detail}"
-        )
-        news.append((message, {"step": found.step, "found_by": found.found_by, "file": found.file}))
-    return news
+    TOKEN_ROTATED = "token_rotated"  # --token-file changed: the previous token works one heartbeat timeout
+    TOKEN_FILE_UNUSABLE = "token_file_unusable"  # --token-file unreadable, empty or short: the token stays
 
 
 class Cause(_Text):

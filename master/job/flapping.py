@@ -16,6 +16,12 @@ the round). An orderly leave is not a loss, nor a rejoin by the same agent (it h
 The job (:mod:`master.job.job`) calls :meth:`FlapCounter.note` at each loss; an :class:`Exclusion` it returns
 is durable state (the job snapshot holds :meth:`FlapCounter.snapshot`), so a master taking over keeps both
 the counters and the exclusions.
+
+Other policies exclude a node through the same store (:meth:`FlapCounter.exclude`, an exclusion with a
+``cause``: an evicted straggler, :mod:`master.job.stragglers`; suspect hardware, named the odd replica
+too often by the integrity guard, :meth:`FlapCounter.note_suspect`, whose counter is durable here too), so
+that one mechanism refuses its joins, tells its agent to exit 4, lifts it after the cool-down or at
+``elastic-master readmit``, and survives a failover.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from elastic.control.job_settings import JobSettings
+
+#: Seconds a node excluded as suspect hardware stays excluded unless an operator re-admits it first.
+SUSPECT_EXCLUSION_S = 30 * 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,8 @@ class Exclusion:
     nproc: int = 0
     #: ``node_id`` is a :func:`flap_key` ``HOSTNAME@ADDRESS``: every default-id agent there is excluded.
     by_host: bool = False
+    #: Why, in words, for an exclusion by another policy (:meth:`FlapCounter.exclude`); "" for flapping.
+    cause: str = ""
 
     @property
     def who(self) -> str:
@@ -75,7 +86,12 @@ class Exclusion:
         return f"node {self.node_id}"
 
     def event_line(self) -> str:
-        """The event's line: who, how often, and how it ends."""
+        """The event's line: who, how often (or why), and how it ends."""
+        if self.cause:
+            return (
+                f"{self.who} excluded: {self.cause}; re-admitted at {clock_time(self.until)} or by "
+                f"'elastic-master readmit {self.node_id}'"
+            )
         return (
             f"{self.who} excluded for flapping: lost {self.count} times within "
             f"{self.window_s:g}s (more than --flap-limit {self.limit}); re-admitted at "
@@ -84,16 +100,22 @@ class Exclusion:
 
     def readmitted_line(self) -> str:
         """The event's line when the cool-down is over."""
+        if self.cause:
+            return f"node {self.node_id} re-admitted: its cool-down of {self.until - self.since:g}s is over"
         return (
             f"node {self.node_id} re-admitted: its flapping cool-down of {self.until - self.since:g}s is over"
         )
 
     def event_data(self) -> dict[str, float | int]:
         """The event's data fields."""
+        if self.cause:
+            return {"until": self.until}
         return {"count": self.count, "window_s": self.window_s, "until": self.until}
 
     def reason(self) -> str:
         """Why, in a few words (the status view's reason)."""
+        if self.cause:
+            return f"{self.cause}; re-admitted at {clock_time(self.until)}"
         return (
             f"flapping: lost {self.count} times within {self.window_s:g}s (--flap-limit {self.limit}); "
             f"re-admitted at {clock_time(self.until)}"
@@ -101,6 +123,12 @@ class Exclusion:
 
     def message(self, job_id: str) -> str:
         """The line a refused agent exits with: why, until when, and the operator's command."""
+        if self.cause:
+            return (
+                f"{self.who} is excluded from job {job_id}: {self.cause}; its joins are refused until "
+                f"{clock_time(self.until)}, or until an operator runs 'elastic-master readmit {self.node_id} "
+                f"--job-id {job_id} --master ADDR --token-file FILE'"
+            )
         verb, lost, its = ("are", "they were", "their") if self.by_host else ("is", "it was", "its")
         return (
             f"{self.who} {verb} excluded from job {job_id} for flapping: {lost} lost {self.count} "
@@ -122,6 +150,8 @@ class FlapCounter:
     policy: FlapPolicy
     losses: dict[str, list[float]] = field(default_factory=dict)
     excluded: dict[str, Exclusion] = field(default_factory=dict)
+    #: Per node id: when the integrity guard named it the odd replica (master.job.findings), in a window.
+    suspects: dict[str, list[float]] = field(default_factory=dict)
 
     def note(
         self, node_id: str, now: float, host: str = "", nproc: int = 0, by_host: bool = False
@@ -144,6 +174,39 @@ class FlapCounter:
             exclusion = replace(exclusion, by_host=True)
         self.excluded[node_id] = exclusion
         return exclusion
+
+    def exclude(
+        self, node_id: str, now: float, cooldown_s: float, cause: str, host: str = "", nproc: int = 0
+    ) -> Exclusion | None:
+        """Exclude ``node_id`` for ``cooldown_s`` seconds from ``now`` for another policy's ``cause`` (a few
+        words: why); the :class:`Exclusion`, or None when the id is excluded already (that one stands).
+        Works whether or not the flapping policy is on: the store is shared, the counting is not."""
+        if node_id in self.excluded:
+            return None
+        exclusion = Exclusion(node_id, 0, now, now + cooldown_s, 0.0, 0, host, nproc, cause=cause)
+        self.excluded[node_id] = exclusion
+        return exclusion
+
+    def note_suspect(
+        self, node_id: str, now: float, settings: JobSettings, host: str = "", nproc: int = 0
+    ) -> Exclusion | None:
+        """Count one naming of ``node_id`` as the odd replica by the integrity guard (master.job.findings) at
+        ``now``; when that makes ``--suspect-count`` within ``--suspect-window``, exclude it as suspect
+        hardware for :data:`SUSPECT_EXCLUSION_S` (or until readmitted) and return the :class:`Exclusion`
+        (the count then starts afresh). Nothing while the count is 0, nor for an id already excluded."""
+        limit, window_s = settings.suspect_count, settings.suspect_window_s
+        if limit <= 0 or node_id in self.excluded:
+            return None
+        times = [t for t in self.suspects.pop(node_id, []) if t > now - window_s]
+        times.append(now)
+        if len(times) < limit:
+            self.suspects[node_id] = times
+            return None
+        cause = (
+            f"suspect hardware: named the odd replica {len(times)} times within {window_s:g}s "
+            "(--suspect-count, --suspect-window; docs/integrity.md)"
+        )
+        return self.exclude(node_id, now, SUSPECT_EXCLUSION_S, cause, host, nproc)
 
     def count(self, node_id: str, now: float) -> int:
         """Losses of ``node_id`` within the window ending ``now``."""
@@ -173,6 +236,7 @@ class FlapCounter:
         return {
             "losses": {n: list(times) for n, times in self.losses.items()},
             "excluded": [asdict(e) for e in self.excluded.values()],
+            "suspects": {n: list(times) for n, times in self.suspects.items()},
         }
 
     def restore(self, data: dict | None) -> None:
@@ -182,3 +246,6 @@ class FlapCounter:
         losses = {n: [float(t) for t in times] for n, times in data.get("losses", {}).items() if times}
         self.losses = dict(sorted(losses.items(), key=lambda item: item[1][-1]))  # by last loss (note)
         self.excluded = {e["node_id"]: Exclusion(**e) for e in data.get("excluded", [])}
+        self.suspects = {
+            n: [float(t) for t in times] for n, times in data.get("suspects", {}).items() if times
+        }

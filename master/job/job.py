@@ -47,7 +47,8 @@ from master.job.errors import (
     SettingsMismatchError,
     UnknownNodeError,
 )
-from master.job.events import Cause, Effects, EffectsBuffer, Event, EventKind, news_of_corrupt, restore_events
+from master.job.events import Cause, Effects, EffectsBuffer, Event, EventKind, restore_events
+from master.job.findings import Findings, fresh, persist_news
 from master.job.flapping import Exclusion, FlapCounter, FlapPolicy, flap_key
 from master.job.liveness import (
     JoinKind,
@@ -55,15 +56,15 @@ from master.job.liveness import (
     SelfSuspicion,
     check_secret,
     hash_secret,
+    incarnation_secret,
     judge_join,
     matches,
-    new_secret,
 )
 from master.job.node_check import NodeCheck
 from master.job.progress import CheckpointProgress, NodeInfo, describe_failure
 from master.job.rendezvous import Candidate, Phase, Rendezvous, name_list
 from master.job.snapshot import UnreadableStateError, check_version, new_incarnation, snapshot_of
-from master.job.stragglers import StragglerTracker
+from master.job.stragglers import StragglerPolicy, StragglerTracker
 from master.job.views import assignment, job_info, job_status, replication_fields
 
 #: How a failed job ends (a row of the one table, elastic.exit_codes).
@@ -98,10 +99,11 @@ class Job:
         self.round_term = 0
         self.succeeded: set[str] = set()  # members of the current round that finished
         self.started_at = now
-        self.stragglers = StragglerTracker(settings.straggler_factor)
+        self.stragglers = StragglerTracker(settings.straggler_factor, StragglerPolicy.of(settings))
         self.node_check = NodeCheck(settings.node_check, settings.node_check_factor)
         self.excluded_nodes: dict[str, NodeInfo] = {}  # by the node check; kept for the status view
         self.flapping = FlapCounter(FlapPolicy.of(settings))  # durable: losses and exclusions
+        self.findings = Findings()  # soft: integrity findings recorded lately (recorded once each)
         self.aggregates_at = float("-inf")  # when _refresh_aggregates() last ran
         self.goodput = GoodputAccount(started_at=now)
         self.recovery = RecoveryTracker()
@@ -195,7 +197,7 @@ class Job:
         """A node asks to take part in the next round. ``node_secret``: the secret the join carries, if
         any. A join for an id whose agent is alive must carry that agent's secret (a rejoin, which keeps
         it); without it, it is a duplicate (:class:`DuplicateNodeError`). Any other join starts a new
-        incarnation of the id with a new secret (:func:`master.job.liveness.judge_join`)."""
+        incarnation (:func:`~master.job.liveness.judge_join`) with the join's secret (retries: the same)."""
         s = self.settings
         if (req.min_nodes, req.max_nodes) != (s.min_nodes, s.max_nodes):
             raise SettingsMismatchError(
@@ -218,7 +220,7 @@ class Job:
                 f"every agent its own --node-id (a restarted agent is let in once the master declares the "
                 f"previous one dead, within {self.settings.heartbeat_timeout_s:g}s of its last heartbeat)"
             )
-        secret = node_secret if kind is JoinKind.REJOIN and node_secret else new_secret()
+        secret = incarnation_secret(kind, node_secret)
         if kind is JoinKind.REPLACE and node is not None:
             closed = self.liveness.suspected(req.node_id)
             why = "its connection to the master closed" if closed else "it stopped heartbeating"
@@ -298,7 +300,7 @@ class Job:
         self.suspicion.heard(req.node_id)
         node.note_workers(req.workers)
         self._note_persist(node, req, now)
-        self._note_corrupt(node, req, now)
+        self._note_findings(node, req, now)
         node.replication_port, node.replicated_step = req.replication_port, req.replicated_step
         node.replication_lag, node.replication_error = req.replication_lag, req.replication_error
         self._note_round_progress(node, req, now)
@@ -325,7 +327,7 @@ class Job:
         ):
             self._on_success(node, now)
         reply = self.command_for(req.node_id, req.round, req.term)
-        if req.replicas and reply.command is Command.CONTINUE and self.rdzv.is_member(req.node_id):
+        if req.replicas and reply.command is Command.CONTINUE and self.rdzv.is_member_or_spare(req.node_id):
             reply = reply.model_copy(update=replication_fields(self, req.node_id, req.replicas))
         return reply
 
@@ -857,23 +859,24 @@ class Job:
 
     # -- soft state from heartbeats ---------------------------------------------------------------
     def _refresh_aggregates(self, now: float) -> None:
-        """The committed step, the persisted count and the straggler flags, computed from tick() every
-        AGGREGATE_PERIOD_S (and the committed step before a round opens and before a removal). The first two
-        cost O(1) (kept per report); the stragglers' median costs O(members) (paces are kept per heartbeat),
-        which is why this is periodic, never per heartbeat: that would make a heartbeat interval of N nodes
-        cost O(N^2)."""
+        """The committed step, the persisted count, the straggler flags and evictions, from tick() every
+        AGGREGATE_PERIOD_S (the committed step also before a round opens or a removal). The first two cost
+        O(1) (kept per report); the stragglers' median O(members) (paces are kept per heartbeat), which is why
+        this is periodic: per heartbeat, a heartbeat interval of N nodes would cost O(N^2)."""
         self.aggregates_at = now
         self._update_committed_step()
         if self.checkpoints.count_persisted(now):
             self.stats.checkpoints_persisted += 1
         current = self.rdzv.current
         members = current.members if current is not None and self.rdzv.phase is Phase.ACTIVE else []
-        nodes, running = self.nodes, NodeState.RUNNING
-        paces = {
-            n: node.pace for n in members if (node := nodes.get(n)) is not None and node.state is running
-        }
-        for kind, message in self.stragglers.update(paces):
+        judged = [x for n in members if (x := self.nodes.get(n)) and x.state is NodeState.RUNNING]
+        paces, steps = {n.node_id: n.pace for n in judged}, {n.node_id: n.step for n in judged}
+        for kind, message in self.stragglers.update(paces, now, steps, len(members), len(self.rdzv.spares)):
             self.record(now, kind, message)
+        for out in self.stragglers.take_evictions():  # --straggler-policy: excluded as flapping nodes are
+            node, cool = self.nodes[out.node_id], self.settings.straggler_cooldown_s
+            if gone := self.flapping.exclude(node.node_id, now, cool, out.cause(), node.host, node.nproc):
+                self._remove(node.node_id, gone.event_line(), EventKind.STRAGGLER_EVICTED, now, gone)
 
     def _update_committed_step(self) -> None:
         """The committed step only moves forward, and only when every member of the round holds it. O(1):
@@ -886,32 +889,29 @@ class Job:
 
     def _note_persist(self, node: NodeInfo, req: HeartbeatRequest, now: float) -> None:
         """Record a node's persist status (soft state); an event only when persisting starts failing or
-        recovers, never per step, so that a failing disk does not write the store at every heartbeat."""
+        recovers (master.job.findings.persist_news)."""
         if req.persisted_step is not None:
             node.persisted_step = req.persisted_step
             self.checkpoints.persisted(req.persisted_step)
-        if req.persist_error and not node.persist_error:
-            self.record(
-                now,
-                EventKind.PERSIST_FAILED,
-                f"node {node.node_id}: checkpoint persist failed: {req.persist_error}",
-                node=node.node_id,
-            )
-        elif node.persist_error and not req.persist_error:
-            self.record(
-                now,
-                EventKind.PERSIST_RECOVERED,
-                f"node {node.node_id}: checkpoints persist again (persisted step {node.persisted_step})",
-                node=node.node_id,
-            )
+        if news := persist_news(node.node_id, node.persist_error, req.persist_error, node.persisted_step):
+            self.record(now, news.kind, news.message, node=node.node_id)
         node.persist_error = req.persist_error
 
-    def _note_corrupt(self, node: NodeInfo, req: HeartbeatRequest, now: float) -> None:
-        """Event ``checkpoint_corrupt`` once per damaged checkpoint copy a node reports (news_of_corrupt)."""
-        if req.ckpt_corrupt or node.corrupt_seen:  # rare: the heartbeat's hot path skips it
-            for message, data in news_of_corrupt(node.node_id, node.corrupt_seen, req.ckpt_corrupt):
-                self.record(now, EventKind.CHECKPOINT_CORRUPT, message, node=node.node_id, data=data)
-            node.corrupt_seen = frozenset(found.id for found in req.ckpt_corrupt)
+    def _note_findings(self, node: NodeInfo, req: HeartbeatRequest, now: float) -> None:
+        """Events for what a node found wrong, once per report (master.job.findings); a recurring NaN or
+        spike stops the job (exit 3), a node named the odd replica too often is excluded (exit 4)."""
+        if not (req.ckpt_corrupt or node.corrupt_seen):  # rare: the heartbeat's hot path skips it
+            return
+        judged = self.findings.judge(node.node_id, fresh(node.corrupt_seen, req.ckpt_corrupt))
+        node.corrupt_seen = frozenset(found.id for found in req.ckpt_corrupt)
+        for news in judged.events:
+            self.record(now, news.kind, news.message, node=node.node_id, data=news.data)
+        if self.outcome is None and judged.stop is not None:
+            self._finish(judged.stop, now)
+        elif self.outcome is None and judged.odd:
+            self.note_durable_change()  # its suspect counter (master.job.flapping.FlapCounter.note_suspect)
+            if out := self.flapping.note_suspect(node.node_id, now, self.settings, node.host, node.nproc):
+                self._remove(node.node_id, out.event_line(), EventKind.NODE_SUSPECT_EXCLUDED, now, out)
 
     def _note_round_progress(self, node: NodeInfo, req: HeartbeatRequest, now: float) -> None:
         """A member's workers started or first stepped in the current round (recovery phases, goodput):

@@ -299,9 +299,31 @@ class JoinKind(Enum):
     DUPLICATE = "duplicate"  # another live agent holds this id: refused (409 duplicate_node)
 
 
+#: The length bounds of a secret a join names for its new incarnation (:func:`incarnation_secret`): at least
+#: as long as :func:`new_secret`'s, so that it is as hard to guess.
+NAMED_SECRET_CHARS = (43, 256)
+
+
 def new_secret() -> str:
     """A fresh secret for a new incarnation."""
     return secrets.token_urlsafe(SECRET_BYTES)
+
+
+def incarnation_secret(kind: JoinKind, sent: str | None) -> str:
+    """The secret of the incarnation a join of ``kind`` leaves, given the one it carried (``sent``).
+
+    A rejoin keeps its secret. A new incarnation (NEW, REPLACE) takes the secret its join names when it is
+    long enough, else a fresh one: the agent names its secret, so a join is idempotent. A join whose reply
+    was lost (a partition that heals mid-call, a timed-out attempt whose request arrived late) is retried
+    with the same secret, and that retry is then the new incarnation's rejoin, not a duplicate of itself;
+    the agent's other requests in flight meanwhile carry that secret too. A different agent holds another
+    secret, so a live node's id stays refused to it (DUPLICATE, 403 on its other requests)."""
+    if kind is JoinKind.DUPLICATE:
+        raise ValueError("a duplicate join starts no incarnation")
+    low, high = NAMED_SECRET_CHARS
+    if sent and (kind is JoinKind.REJOIN or low <= len(sent) <= high):
+        return sent
+    return new_secret()
 
 
 def hash_secret(secret: str) -> str:

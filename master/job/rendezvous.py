@@ -10,8 +10,15 @@ Lifecycle of the machine::
   window has passed since ``min_nodes`` was reached and no expected member is still pending (pending
   members are waited for up to ``rejoin_timeout_s``). The admitted count is rounded down to a multiple
   of ``node_unit``; the others stay on the wait list.
-* ``ACTIVE``: the admitted members train. Ranks are stable: the previous members keep their order,
-  new nodes are appended in join order.
+* ``ACTIVE``: the admitted members train. Ranks are stable: the previous members keep their node ranks, a
+  new node takes the node rank of a lost member (a hot spare taking its place, lowest rank first), and the
+  places nobody fills are closed up (members keep their relative order); further new nodes are appended in
+  join order.
+* Spares: while ``ACTIVE``, nodes the running round has no place for (its maximum is reached, or
+  ``node_unit`` blocks a larger round) wait as hot spares (:attr:`Rendezvous.spares`). When a member is
+  lost the job opens a round expecting the survivors back; it closes as soon as they are (no last call:
+  "every member came back"), with the spares filling the lost places up to ``max_nodes``, so the world
+  keeps its size and the survivors their ranks.
 * Growth: while ``ACTIVE``, waiting nodes that would enlarge the world (respecting ``max_nodes`` and
   ``node_unit``) make :meth:`growth_due` true once the last-call window has passed since growth first
   became possible (or at once when the world would reach ``max_nodes``); the job then opens a round.
@@ -185,6 +192,37 @@ class Rendezvous:
     def has_joined(self, node_id: str) -> bool:
         return node_id in self._joined
 
+    @property
+    def spares(self) -> list[str]:
+        """Hot spares, in join order: nodes that joined while a round runs that has no place for them (its
+        maximum is reached, or a larger round would break ``node_unit``) and no growth is due. They stay
+        registered and heartbeat; at the next round each takes the node rank of a lost member
+        (:meth:`try_close`). A node waiting for a growth round is no spare. O(spares)."""
+        if self.phase is not Phase.ACTIVE or self.current is None or self._growth_since is not None:
+            return []
+        return list(self._joined)
+
+    @property
+    def spares_count(self) -> int:
+        """``len(spares)`` in O(1): every member's heartbeat reply asks (its replication targets)."""
+        if self.phase is not Phase.ACTIVE or self.current is None or self._growth_since is not None:
+            return 0
+        return len(self._joined)
+
+    def is_member_or_spare(self, node_id: str) -> bool:
+        """Whether ``node_id`` takes part in peer replication (a member sends and receives, a spare
+        receives)."""
+        return self.is_member(node_id) or self.is_spare(node_id)
+
+    def is_spare(self, node_id: str) -> bool:
+        """Whether ``node_id`` is one of :attr:`spares`, in O(1) (every heartbeat of a spare asks)."""
+        return (
+            self.phase is Phase.ACTIVE
+            and self.current is not None
+            and self._growth_since is None
+            and node_id in self._joined
+        )
+
     def standing(self) -> Standing:
         """Counts and the last call's end, in O(1): every waiting node's round poll reads them."""
         s = self.settings
@@ -235,7 +273,10 @@ class Rendezvous:
         if decision.action is not Action.CLOSE:
             return None
         self._close_why = decision.reason.split(": ", 1)[1]  # "closing with 2 nodes: <why>"
-        return self._close(decision.admitted, now)
+        closed, takeovers = self._close(decision.admitted, now)
+        if takeovers:
+            self._close_why += "; " + takeovers
+        return closed
 
     def growth_due(self, now: float) -> bool:
         """True when waiting nodes should be admitted into a new, larger round now."""
@@ -379,8 +420,11 @@ class Rendezvous:
                 if members >= s.max_nodes
                 else f"a larger round needs a multiple of {s.node_unit} nodes"
             )
-            verb = "waits" if len(waiting) == 1 else "wait"
-            return Decision(Action.TRAIN, f"{head}; {_names_of(list(waiting))} {verb}: {blocked}")
+            return Decision(
+                Action.TRAIN,
+                f"{head}; spare {_names_of(list(waiting))} ({blocked}; a spare takes a lost member's "
+                "node rank at the next round)",
+            )
         target = self._admissible(members + len(waiting))
         names = _names_of(list(waiting)) if explain else ""
         if target >= self.settings.max_nodes:
@@ -425,12 +469,29 @@ class Rendezvous:
         else:
             self._growth_since = None
 
-    def _close(self, admitted: int, now: float) -> ClosedRound:
+    def _close(self, admitted: int, now: float) -> tuple[ClosedRound, str]:
+        """Close with ``admitted`` nodes: the previous round's members first, then new nodes in join order.
+        Returns the round and a clause naming spare takeovers ('' when none).
+
+        Ranks: a member keeps its node rank; a new node (a spare) takes the node rank of a lost member,
+        lowest rank first, so that a loss replaced by a spare changes no survivor's rank (survivors under
+        ``elastic.run`` keep their processes and ranks; for node rank 0 the spare also hosts the store).
+        Places no new node fills are closed up, members keeping their relative order; further new nodes
+        are appended."""
         previous = self.current.members if self.current else []
         order = [n for n in previous if n in self._joined]
         kept = set(order)
         order += [n for n in self._joined if n not in kept]
-        chosen = order[:admitted]
+        chosen_set = set(order[:admitted])
+        newcomers = [n for n in order[:admitted] if n not in kept]
+        # The previous round's layout with a hole (None) for each member not coming back.
+        layout: list[str | None] = [n if n in chosen_set else None for n in previous]
+        fills, takeovers = iter(newcomers), []
+        for rank, node in enumerate(layout):
+            if node is None and (spare := next(fills, None)) is not None:
+                layout[rank] = spare
+                takeovers.append(f"{spare} takes node rank {rank} of {previous[rank]}")
+        chosen = [n for n in layout if n is not None] + list(fills)
         slots: list[Slot] = []
         offset = 0
         for node_rank, node_id in enumerate(chosen):
@@ -446,7 +507,8 @@ class Rendezvous:
         self._min_reached_at = None
         self._growth_since = None
         self._track_growth(now)
-        return self.current
+        said = ("spare " if len(takeovers) == 1 else "spares ") + ", ".join(takeovers) if takeovers else ""
+        return self.current, said
 
 
 def _closing(admitted: int, why: str) -> Decision:

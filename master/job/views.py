@@ -110,6 +110,7 @@ def job_status(job: Job, now: float) -> JobStatus:
         waiting_reason=waiting_reason(job, now),
         events=recent_events(job, now),
         crash_loop=job.budget.crash_loop.verdict,
+        spares=job.rdzv.spares,
     )
 
 
@@ -159,15 +160,23 @@ def assignment(job: Job, slot: Slot) -> Assignment:
 def replica_targets(job: Job, node_id: str, replicas: int) -> list[tuple[str, str]]:
     """``(node id, HOST:PORT)`` of a node's ring successors in the current round (O(replicas)): those of
     :func:`elastic.checkpoint.shard_layout.ring_targets`, found from the node's rank instead of a search;
-    the endpoint is '' while the successor has not reported its replication port."""
+    the endpoint is '' while the successor has not reported its replication port.
+
+    Hot spares are replication targets too: spare ``j`` (in join order) receives from the member of node
+    rank ``j mod members`` as well, so that each spare already holds a copy of a peer's newest shards
+    when it takes a lost member's place (its restore reads its own replicas first). A member thus has
+    its ring successors and, after them, the spares it feeds (O(spares / members))."""
     current = job.rdzv.current
     slot = current.slot(node_id) if current is not None else None
     if current is None or slot is None or replicas <= 0:
         return []
     members = current.members
     count = min(replicas, len(members) - 1)
+    ring = [members[(slot.node_rank + i) % len(members)] for i in range(1, count + 1)]
+    spares = job.rdzv.spares if job.rdzv.spares_count else []
+    fed = spares[slot.node_rank :: len(members)]
     peers = []
-    for peer in (members[(slot.node_rank + i) % len(members)] for i in range(1, count + 1)):
+    for peer in [*ring, *fed]:
         info = job.nodes.get(peer)
         port = info.replication_port if info is not None else None
         host = info.host if info is not None else ""

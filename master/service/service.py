@@ -44,9 +44,11 @@ from elastic.control.error_table import ErrorCode
 from elastic.control.protocol import (
     LONG_POLL_CAP_S,
 )
+from elastic.control.token_source import WatchedToken
 from elastic.exit_codes import ExitCode
 from elastic.text import printable
 from master.job.errors import JobError
+from master.job.events import EventKind
 from master.job.job import Job
 from master.job.snapshot import describe as describe_unreadable
 from master.job.views import ReasonLog
@@ -153,6 +155,11 @@ class MasterService:
         self.settings = settings
         self.clock = clock or unix_monotonic()
         self.health = MasterHealth()  # this process's own figures, for /metrics
+        #: The job token every listener of this master accepts: a rotated --token-file is followed, the
+        #: previous token accepted for one heartbeat timeout (elastic.control.token_source).
+        self.tokens = WatchedToken(
+            settings.token, settings.token_file, settings.job.heartbeat_timeout_s, log_news=False
+        )
         #: Heartbeats served or shed by the loop pass's budget (master.service.overload), and the overload.
         self.admission = Admission()
         self.event_log = (
@@ -311,6 +318,7 @@ class MasterService:
     def tick(self) -> None:
         if self.gc_pacer is not None:
             self.gc_pacer.tick()
+        self._note_token_news()
         # No verdicts from a term that may be over (e.g. "every node dead" right after a freeze).
         if self.job is not None and self.store.leading and not self.stopping:
             if self._tick_fault_s is not None and self.clock() - self._led_since >= self._tick_fault_s:
@@ -327,6 +335,23 @@ class MasterService:
                     self._resign.set()
             self.changed()
             self._reasons.note(self.job, self.clock())
+
+    def _note_token_news(self) -> None:
+        """A rotated or unusable --token-file (polled here too, so a change is seen without a request) is an
+        event of the job, where the operator looks; a standby only logs it (its leader records its own)."""
+        self.tokens.poll()
+        news = self.tokens.take_news()
+        job = self.job
+        if job is None or not self.store.leading or self.stopping:
+            for _, message in news:
+                log.warning("%s", message)
+            return
+        if not news:
+            return
+        for kind, message in news:
+            what = EventKind.TOKEN_ROTATED if kind == "rotated" else EventKind.TOKEN_FILE_UNUSABLE
+            job.record(self.clock(), what, message)
+        self.changed()
 
     def _judge_overload(self, now: float) -> None:
         """An overload that starts or ends (master.service.overload) is an event of the job."""

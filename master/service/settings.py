@@ -23,6 +23,9 @@ class ServerSettings:
 
     job: JobSettings
     token: str
+    #: ``--token-file`` the token came from: re-read when it changes (elastic.control.token_source); None:
+    #: a fixed token (``ELASTIC_TOKEN``, or created in memory).
+    token_file: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
     #: Durable state store URL (``memory://`` or ``etcd://HOST:PORT``).

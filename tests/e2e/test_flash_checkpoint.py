@@ -624,7 +624,10 @@ def test_agent_killed_during_a_persist_restarts_from_the_previous_complete_check
 
 @pytest.mark.timeout(120)
 def test_benchmark_smoke_mode_prints_the_table(tmp_path: Path) -> None:
-    argv = [sys.executable, str(REPO / "bench" / "checkpoint.py"), "--smoke", "--disk-dir", str(tmp_path)]
+    disk, report = tmp_path / "disk", tmp_path / "report.json"
+    disk.mkdir()
+    argv = [sys.executable, str(REPO / "bench" / "checkpoint.py"), "--smoke", "--disk-dir", str(disk)]
+    argv += ["--json", str(report)]
     bench = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base_env(), cwd=REPO
     )
@@ -639,4 +642,10 @@ def test_benchmark_smoke_mode_prints_the_table(tmp_path: Path) -> None:
     for row in rows:
         assert row in out, out
     assert not (SHM / folder_name(f"bench-{bench.pid}", "n0")).exists()
-    assert list(tmp_path.iterdir()) == []
+    assert list(disk.iterdir()) == []
+    # The restore targets' rows, each with its references measured in the same run.
+    targets = {row["row"]: row for row in json.loads(report.read_text())["rows"] if "row" in row}
+    assert sorted(targets) == ["restore_own_memory_over_memcpy", "restore_peer_over_tcp"], targets
+    for row in targets.values():
+        assert row["restore_s"] > 0 and row["reference_s"] > 0 and row["digest_s"] > 0, row
+        assert row["met"] == (row["restore_s"] <= row["target_ratio"] * row["reference_s"] + row["digest_s"])

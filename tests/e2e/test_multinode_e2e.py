@@ -120,7 +120,9 @@ def test_sigkilled_node_is_dropped_and_survivors_continue_at_world_two(launch, t
 @pytest.mark.timeout(300)
 def test_node_started_later_is_admitted_and_training_continues_from_checkpoint(launch, tmp_path):
     cluster = start_cluster(launch, tmp_path, "2:3")
-    steps = 25
+    # Long enough that the job still runs when the late agent, started at step 3, has imported torch and
+    # joins, also on a busy machine (the suite runs 3 tests at once).
+    steps = 60
     script = train_args(steps=steps, step_time=0.2, ckpt_every=2)
     first = [cluster.agent("node-a", script), cluster.agent("node-b", script)]
     # Once step 3 is logged, the checkpoint of step 2 is on disk.
@@ -184,7 +186,7 @@ def test_worker_sigkill_restarts_every_node_once(launch, tmp_path):
 @pytest.mark.timeout(300)
 def test_node_unit_two_admits_pairs_and_third_node_waits_for_a_fourth(launch, tmp_path):
     cluster = start_cluster(launch, tmp_path, "2:4", "--node-unit", "2")
-    script = train_args(steps=24, step_time=0.2, ckpt_every=2)
+    script = train_args(steps=60, step_time=0.2, ckpt_every=2)  # still running when the fourth has joined
     by_id = {f"node-{i}": cluster.agent(f"node-{i}", script) for i in range(3)}
     agents = list(by_id.values())
     wait_for_any(agents, STEP_LINE.format(world=2), START_S)

@@ -56,10 +56,12 @@ DUPLICATE_TIMEOUT_S = 5.0
 def on_another_machine() -> list[str]:
     """A command prefix that runs a program with a /dev/shm of its own (a private mount namespace), as on
     another machine: two agents of one node id on one machine are already refused by the checkpoint
-    shared-memory lock of the node (``/dev/shm/elastic-<job>-<node>``) before they reach the master."""
+    shared-memory lock of the node (``/dev/shm/elastic-<job>-<node>``) before they reach the master. The
+    test process's ELASTIC_SHM_ROOT (tests/conftest.py) is made again in the new /dev/shm."""
     unshare = require_tool("unshare")
     prefix = [unshare, "--mount", "--propagation", "private", "sh", "-c",
-              'mount -t tmpfs tmpfs /dev/shm && exec "$@"', "sh"]  # fmt: skip
+              'mount -t tmpfs tmpfs /dev/shm && mkdir -p "${ELASTIC_SHM_ROOT:-/dev/shm}" && exec "$@"',
+              "sh"]  # fmt: skip
     probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:  # under CI=true this skip fails the run (tests/conftest.py), as tools' do
         pytest.skip(

@@ -20,9 +20,9 @@ import pytest
 from e2e import wait_until
 
 from agent.checkpoints import fence as ckpt_fence
-from agent.checkpoints.keeper import CheckpointKeeper
+from agent.checkpoints.keeper import CheckpointKeeper, keeper_for
 from agent.checkpoints.persist import parse_persist_delay
-from agent.checkpoints.shm_folder import DEFAULT_ROOT, OWNER_FILE, KeeperError, folder_name
+from agent.checkpoints.shm_folder import DEFAULT_ROOT, OWNER_FILE, KeeperError, RootError, folder_name
 from agent.observe.channel import ProgressChannel
 from elastic.checkpoint import layout
 
@@ -111,6 +111,15 @@ def test_a_live_agent_of_the_same_job_and_node_is_an_error_and_other_nodes_are_l
 def test_missing_root_is_a_keeper_error(tmp_path: Path) -> None:
     with pytest.raises(KeeperError, match="does not exist"):
         CheckpointKeeper("j", "n", root=tmp_path / "nope").start()
+
+
+@pytest.mark.timeout(10)
+def test_elastic_shm_root_moves_the_folder_and_a_missing_one_is_a_usage_error(tmp_path: Path) -> None:
+    assert keeper_for("j", "n", None, 3, {}).root == DEFAULT_ROOT
+    keeper = keeper_for("j", "n", None, 3, {"ELASTIC_SHM_ROOT": str(tmp_path)})
+    assert keeper.folder == tmp_path / folder_name("j", "n")
+    with pytest.raises(RootError, match=r"ELASTIC_SHM_ROOT=\S+/nope is not a folder; create it"):
+        keeper_for("j", "n", None, 3, {"ELASTIC_SHM_ROOT": str(tmp_path / "nope")})
 
 
 @pytest.mark.timeout(10)

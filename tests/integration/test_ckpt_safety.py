@@ -199,6 +199,32 @@ def test_stop_persists_the_newest_memory_checkpoint_newer_than_the_last_request(
     assert not (tmp_path / "other").exists()
 
 
+@pytest.mark.timeout(30)
+def test_the_stop_persists_a_save_of_a_later_submission_under_that_submission(
+    root: Path, tmp_path: Path
+) -> None:
+    """A node asked for persists in the job's first incarnation; after a master restart without a durable
+    store (a new incarnation) it is no longer the persisting node, and its workers only report their saves.
+    Its stop persists its newest save as a save of the new incarnation: the fence takes it beside the other
+    node's commit of the same step, instead of refusing it as the old submission's (and failing the job)."""
+    ckpt = tmp_path / "ckpt"
+    keeper = CheckpointKeeper("job1", "node-b", ckpt_dir=ckpt, root=root).start()
+    keeper.incarnation = "inc-1"
+    keeper.on_checkpoint(0, 4, str(worker_save(keeper.folder, 4)), round_number=1)
+    assert keeper.wait_idle(10)
+    keeper.incarnation = "inc-2"  # the restarted master's first round
+    worker_save(keeper.folder, 6)
+    keeper.on_checkpoint(0, 6, "", round_number=1)  # reported, no persist asked: another node persists
+    other = CheckpointKeeper("job1", "node-a", ckpt_dir=ckpt, root=root).start()
+    other.incarnation = "inc-2"
+    other.on_checkpoint(0, 6, str(worker_save(other.folder, 6)), round_number=1)
+    assert other.wait_idle(10)
+    other.stop()
+    keeper.stop()
+    assert latest(ckpt) == "step_0000000006.pt"
+    assert keeper.unpersisted == [] and keeper.superseded == 0, keeper.unpersisted
+
+
 # == 3. persists fenced by round ==========================================================================
 def test_commit_decisions_never_move_latest_backwards_and_drop_superseded_rounds() -> None:
     assert decide(2, 8, None, None) == Decision(True, True, "newest")

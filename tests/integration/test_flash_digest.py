@@ -75,7 +75,7 @@ def test_damage_found_at_restore_and_at_persist_becomes_master_events_and_a_metr
         report = "from elastic.report import report_corrupt; import sys; report_corrupt(6, sys.argv[1])"
         env = {"ELASTIC_AGENT_SOCKET": channel.path, "ELASTIC_LOCAL_RANK": "0", "PATH": "/usr/bin:/bin"}
         subprocess.run([sys.executable, "-c", report, str(victim)], env=env, cwd=REPO, check=True, timeout=30)
-        wait_until(lambda: keeper.corruptions.total == 1, 10, "the channel to pass the report on")
+        wait_until(lambda: keeper.findings.total == 1, 10, "the channel to pass the report on")
 
         # The keeper is asked to persist a damaged step 7: a failure saying why, nothing on disk.
         damaged = damaged_flash_file(keeper.folder, 7)
@@ -84,14 +84,14 @@ def test_damage_found_at_restore_and_at_persist_becomes_master_events_and_a_metr
         step, error = keeper.persist_status()
         assert step is None and "failed its digest check" in error and str(damaged) in error
         assert not (tmp_path / "ckpt" / damaged.name).exists()
-        assert [c.found_by for c in keeper.corruptions.pending()] == ["restore", "persist"]
+        assert [c.found_by for c in keeper.findings.pending()] == ["restore", "persist"]
 
         view = NodeView(state=NodeState.RUNNING, round=1, pids=[1])
         request = heartbeat_request("a", view, channel, keeper)
         assert [c.step for c in request.ckpt_corrupt] == [6, 7]
         client.heartbeat(request)
         client.heartbeat(request)  # its reply was lost, say: the same reports again are no news
-        keeper.corruptions.delivered(c.id for c in request.ckpt_corrupt)
+        keeper.findings.delivered(c.id for c in request.ckpt_corrupt)
         assert "ckpt_corrupt" not in heartbeat_request("a", view, channel, keeper).model_dump(
             exclude_unset=True
         )

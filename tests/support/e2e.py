@@ -218,7 +218,8 @@ def launch(tmp_path):
 
 
 # -- flash checkpoint jobs ----------------------------------------------------------------------------------
-SHM = Path("/dev/shm")
+#: Where the agents of this test process keep their checkpoint folders (tests/conftest.py sets it).
+SHM = Path(os.environ.get("ELASTIC_SHM_ROOT") or "/dev/shm")
 
 
 def unique_job(prefix: str) -> str:

@@ -4,7 +4,8 @@
 A fault is injected once, in this process's memory, by the test hook ``ELASTIC_TEST_INTEGRITY_FAULT``:
 ``flip:STEP:RANK:BIT`` flips bit BIT of one weight of rank RANK after the optimizer step of STEP;
 ``nan:STEP:RANK`` puts a NaN into one gradient of rank RANK after its all-reduce, before the update;
-``spike:STEP`` multiplies the loss of STEP by 100 on every rank (the update follows it).
+``spike:STEP`` multiplies the loss of STEP by 100 on every rank (the update follows it); ``spikeall:STEP``
+does so at every replay of STEP too (a recurring fault: data, not hardware).
 
 Output (stdout): ``integrity step=S kind=K ranks=R rollback_to=T`` on rank 0 for each detection,
 ``done step=N`` at the end; ``--final-weights PATH``: rank 0 writes the final weights; ``--sample-log
@@ -77,9 +78,9 @@ def main() -> None:
             rows = torch.tensor(batch.micro_batches[0], dtype=torch.long)
             loss = nn.functional.mse_loss(ddp(x[rows]), y[rows])
             due = bool(fault) and not fired and int(fault[1]) == step
-            if due and fault[0] == "spike":
+            if (due and fault[0] == "spike") or (fault and fault[0] == "spikeall" and int(fault[1]) == step):
                 loss = loss * 100
-                fired = True
+                fired = fault[0] == "spike"
             loss.backward()
             if due and fault[0] == "nan" and world.rank == int(fault[2]):
                 with torch.no_grad():

@@ -47,8 +47,8 @@ def test_the_nodes_line_says_how_many_joined_and_what_the_round_waits_for():
         "round 3: 2 of 3 nodes joined (min 2, max 4); waiting for 1 member of the last round to rejoin"
     )
     assert nodes_wait_line(waiting(joined=1, running_nodes=4, **figures)) == (
-        "round 3 runs with 4 nodes; 1 waiting (min 2, max 4); the maximum is reached: this node waits for a "
-        "free slot"
+        "round 3 runs with 4 nodes; 1 waiting (min 2, max 4); the maximum is reached: this node is a hot "
+        "spare and takes a lost node's place"
     )
     assert nodes_wait_line(waiting(joined=1, running_nodes=2, last_call_ends_in_s=0.5, **figures)) == (
         "round 3 runs with 2 nodes; 1 waiting (min 2, max 4); last call ends in 0.5 s, then a larger round "

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from agent.warm import zygote_ops as ops
-from elastic.contract import MalformedDatagram, Progress, ProgressKind
+from elastic.contract import IntegrityNote, MalformedDatagram, Progress, ProgressKind
 
 
 def test_a_progress_report_round_trips_in_the_one_letter_wire_form() -> None:
@@ -67,3 +67,16 @@ def test_a_malformed_spawn_request_keeps_its_id_for_the_answer() -> None:
     with pytest.raises(ops.MalformedMessage) as caught:
         ops.decode(b'{"op": "launch", "id": 2}')
     assert caught.value.request_id == 2
+
+
+def test_an_integrity_note_round_trips_in_a_datagram_and_garbage_is_malformed() -> None:
+    note = IntegrityNote("mismatch", (4,), 6, named_here=True, samples=tuple(range(2000)), odd=True)
+    report = Progress(0, ProgressKind.INTEGRITY, 12, detail=note.to_detail(), rolled_back_to=11)
+    back = Progress.decode(report.encode())
+    assert back.rolled_back_to == 11
+    parsed = IntegrityNote.from_detail(back.detail)
+    assert parsed.ranks == (4,) and parsed.world_size == 6 and parsed.named_here and parsed.odd
+    assert not parsed.recurring
+    assert parsed.samples == tuple(range(256)), "at most MAX_NOTE_SAMPLES sample indices travel"
+    with pytest.raises(MalformedDatagram):
+        IntegrityNote.from_detail("spike ranks=-")  # not JSON: dropped by the agent

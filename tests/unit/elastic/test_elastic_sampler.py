@@ -192,3 +192,14 @@ def test_reshard_keeps_the_position_and_deals_the_next_steps_to_the_new_world() 
         one.reshard(2, 2)
     with pytest.raises(ValueError):
         one.reshard(9, 0)  # more ranks than samples per step
+
+
+def test_the_last_steps_indices_are_its_whole_global_batch() -> None:
+    sampler = ElasticSampler(20, num_replicas=2, rank=0, seed=3, global_batch_size=6)
+    assert sampler.last_step_indices() == []
+    steps = list(ElasticSampler(20, num_replicas=2, rank=1, seed=3, global_batch_size=6).steps())
+    mine = next(iter(sampler.steps()))
+    sampler.advance(2)
+    last = sampler.last_step_indices()
+    assert len(last) == 6 and set(steps[1].micro_batches[0]) < set(last)
+    assert not set(mine.micro_batches[0]) & set(last), "step 1's samples are not step 2's"

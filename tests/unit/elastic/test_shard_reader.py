@@ -72,3 +72,31 @@ def test_dcp_load_through_the_mapped_reader_restores_every_value(tmp_path: Path)
     for key in ("w", "half", "ids", "empty"):
         assert torch.equal(target[key], saved[key]), key
     assert target["extra"] == {"step": 7, "name": "run"}
+
+
+@pytest.mark.timeout(120)
+def test_the_mapped_reader_reads_a_file_received_into_memory_and_absent_from_the_folder(
+    tmp_path: Path,
+) -> None:
+    # A restore receives a peer's shard file into this process's memory (shard_restore.recv_memory): the
+    # reader copies from that map; the folder holds only the metadata.
+    saved = {"w": torch.randn(257, 9), "ids": torch.arange(13), "extra": {"step": 3}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # no process group: DCP says it runs alone
+        dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    in_memory = {}
+    for path in sorted(tmp_path.glob("*.distcp")):
+        data = path.read_bytes()
+        mapped = mmap.mmap(-1, len(data))
+        mapped[:] = data
+        in_memory[path.name] = mapped
+        path.unlink()  # only the memory copy is left
+    target = {"w": torch.zeros(257, 9), "ids": torch.zeros(13, dtype=torch.long), "extra": {"step": 0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(target, storage_reader=MappedReader(tmp_path, in_memory), no_dist=True)
+    assert torch.equal(target["w"], saved["w"]) and torch.equal(target["ids"], saved["ids"])
+    assert target["extra"] == {"step": 3}
+    assert not list(tmp_path.glob("*.distcp")), "nothing was written back into the folder"
+    for mapped in in_memory.values():
+        mapped.close()  # no tensor views it: the restored values are copies

@@ -162,9 +162,10 @@ def test_a_node_that_cannot_enlarge_the_world_is_told_why():
     decision = rdzv.decide(1.0 + HOURS)
     assert decision.action is Action.TRAIN
     assert decision.reason == (
-        "closed: 2 nodes, world size 2 (the maximum of 2 nodes joined); node c waits: the maximum of 2 "
-        "nodes is reached"
+        "closed: 2 nodes, world size 2 (the maximum of 2 nodes joined); spare node c (the maximum of 2 "
+        "nodes is reached; a spare takes a lost member's node rank at the next round)"
     )
+    assert rdzv.spares == ["c"]
 
 
 def test_the_default_clock_text_is_the_local_time_of_a_reading_of_the_masters_unix_clock():
