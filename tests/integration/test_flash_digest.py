@@ -21,8 +21,7 @@ from agent.executor.heartbeats import heartbeat_request
 from agent.executor.node_view import NodeView
 from agent.observe.channel import ProgressChannel
 from elastic.checkpoint import flash, layout
-from elastic.control.client import MasterClient
-from elastic.control.protocol import JoinRequest, NodeState
+from elastic.control.protocol import NodeState
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
@@ -58,12 +57,7 @@ def damaged_flash_file(folder: Path, step: int) -> Path:
 def test_damage_found_at_restore_and_at_persist_becomes_master_events_and_a_metric(
     masters: Masters, tmp_path: Path
 ) -> None:
-    master = masters.start()
-    client = masters.keep(MasterClient([master.address], masters.job_id, masters.token, request_timeout=10.0))
-    client.join(
-        JoinRequest(node_id="a", host="127.0.0.1", nproc=1, store_port=29501, min_nodes=1, max_nodes=1)
-    )
-    assert client.next_round("a", 0, 10.0).assignment is not None
+    master, client = masters.running_node("a")
 
     (tmp_path / "shm").mkdir()
     keeper = CheckpointKeeper(masters.job_id, "a", ckpt_dir=tmp_path / "ckpt", root=tmp_path / "shm").start()

@@ -20,8 +20,7 @@ from agent.checkpoints.keeper import CheckpointKeeper
 from agent.executor.heartbeats import heartbeat_request
 from agent.executor.node_view import NodeView
 from agent.observe.channel import ProgressChannel
-from elastic.control.client import MasterClient
-from elastic.control.protocol import Command, JoinRequest, NodeState
+from elastic.control.protocol import Command, NodeState
 
 pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
@@ -53,12 +52,7 @@ def masters() -> Iterator[Masters]:
 def test_guard_reports_become_master_events_and_a_recurring_spike_stops_the_job_with_exit_3(
     masters: Masters, tmp_path: Path
 ) -> None:
-    master = masters.start()
-    client = masters.keep(MasterClient([master.address], masters.job_id, masters.token, request_timeout=10.0))
-    client.join(
-        JoinRequest(node_id="a", host="127.0.0.1", nproc=1, store_port=29501, min_nodes=1, max_nodes=1)
-    )
-    assert client.next_round("a", 0, 10.0).assignment is not None
+    master, client = masters.running_node("a")
     (tmp_path / "shm").mkdir()
     keeper = CheckpointKeeper(masters.job_id, "a", ckpt_dir=tmp_path / "ckpt", root=tmp_path / "shm").start()
     channel = ProgressChannel(on_checkpoint=keeper.on_checkpoint)

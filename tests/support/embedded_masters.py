@@ -13,8 +13,9 @@ from typing import Any, ClassVar, Protocol, Self, TypeVar
 import httpx
 from e2e import wait_until
 
+from elastic.control.client import MasterClient
 from elastic.control.job_settings import JobSettings
-from elastic.control.protocol import JOB_HEADER
+from elastic.control.protocol import JOB_HEADER, JoinRequest
 from master.http.serving import EmbeddedMaster
 from master.service.settings import ServerSettings
 from master.store.base import StateStore
@@ -73,6 +74,19 @@ class EmbeddedMasters:
         master = EmbeddedMaster(settings, store=store)
         self.masters.append(master)
         return master.start()
+
+    def running_node(self, node_id: str = "a") -> tuple[EmbeddedMaster, MasterClient]:
+        """A started master of one node, and the client of node ``node_id``, joined and assigned its round
+        (kept: closed with this helper)."""
+        master = self.start()
+        client = self.keep(MasterClient([master.address], self.job_id, self.token, request_timeout=10.0))
+        client.join(
+            JoinRequest(
+                node_id=node_id, host="127.0.0.1", nproc=1, store_port=29501, min_nodes=1, max_nodes=1
+            )
+        )
+        assert client.next_round(node_id, 0, 10.0).assignment is not None
+        return master, client
 
     def keep(self, closable: C) -> C:
         """``closable``, closed when this helper closes."""
