@@ -490,11 +490,6 @@ class CheckpointKeeper:
             "replication_error": status.error,
         }
 
-    def set_replica_targets(self, targets: list[str]) -> None:
-        """The replication endpoints of this node's ring successors, from the master's reply."""
-        if self.replicator is not None:
-            self.replicator.set_targets(targets)
-
     def wait_persisted(self, step: int, timeout: float) -> bool:
         """Block until the checkpoint of ``step`` is the last one persisted; False on timeout."""
         with self._cond:
