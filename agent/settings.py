@@ -134,6 +134,9 @@ class AgentSettings:
     #: Port of this agent's metrics listener (agent.observe.metrics), on ``local_addr``; 0: a free one; None:
     #: off.
     metrics_port: int | None = None
+    #: The ports the workers' store port is drawn from (``ELASTIC_STORE_PORTS``, agent.executor.net);
+    #: None: any free port.
+    store_ports: range | None = None
 
     @property
     def standalone(self) -> bool:

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import psutil
 
+from agent.executor import net
+
 REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = REPO / "bench" / "workload.py"
 RUN_TAG = f"bench-{uuid.uuid4().hex[:12]}"
@@ -166,9 +168,9 @@ def workdir(path: str | None) -> Iterator[Path]:
 
 # -- processes --------------------------------------------------------------------------------------------
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port on loopback, drawn as the agent draws its workers' store port (``ELASTIC_STORE_PORTS``):
+    below the ephemeral range, so no outgoing connection takes it before the process meant to bind it does."""
+    return net.free_port("127.0.0.1", net.store_ports(os.environ))
 
 
 def bench_env(**extra: str) -> dict[str, str]:

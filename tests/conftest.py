@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from etcd_server import EtcdNotFoundError, EtcdServer
+from ports import agent_store_ports
 from tools import MISSING_TOOL
 
 # The suite runs in parallel processes (pytest-xdist, `-n` in pyproject.toml). Every agent removes the
@@ -37,6 +38,11 @@ if Path("/dev/shm").is_dir() and ("ELASTIC_SHM_ROOT" not in os.environ or _OWNER
     _SHM_ROOT.mkdir(mode=0o700)
     os.environ["ELASTIC_SHM_ROOT"] = str(_SHM_ROOT)
     os.environ[_OWNER_ENV] = str(os.getpid())
+
+# The workers' store ports of the agents this process starts: a slice of their range of its own (ports.py),
+# apart from what parallel pytest processes and the tests themselves pick. One set by the user is kept.
+if "ELASTIC_STORE_PORTS" not in os.environ or _OWNER_ENV in os.environ:
+    os.environ["ELASTIC_STORE_PORTS"] = agent_store_ports()
 
 # The test process runs etcd clients (gRPC) in-process and also starts workers and agents (fork + exec).
 # gRPC's fork handlers are for children that go on using gRPC; with its threads busy at the moment of a

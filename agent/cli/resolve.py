@@ -26,7 +26,7 @@ from click.core import ParameterSource
 
 from agent.checkpoints.persist import check_folder
 from agent.cli import platforms, torchrun
-from agent.executor.net import is_local_host, local_address_for
+from agent.executor.net import is_local_host, local_address_for, store_ports
 from agent.settings import AgentSettings
 from elastic.control import job_settings as ms
 from elastic.control.addresses import parse_addresses, split_address
@@ -169,6 +169,10 @@ def resolve(o: dict[str, Any], given: frozenset[str] = frozenset()) -> tuple[Age
         if "replicas" in given:
             raise click.UsageError(f"--replicas {replicas} off loopback needs a token: {_NO_TOKEN_HELP}")
         replicas = 0  # the replication keys would be handed to anyone who joins (docs/security.md)
+    try:
+        ports = store_ports(os.environ)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     settings = AgentSettings(
         argv=argv,
         nproc=nproc,
@@ -200,6 +204,7 @@ def resolve(o: dict[str, Any], given: frozenset[str] = frozenset()) -> tuple[Age
         hang_timeout_s=o["hang_timeout"],
         progress_interval_s=0.0 if o["quiet"] else o["progress_interval"],
         metrics_port=o["metrics_port"],
+        store_ports=ports,
         output=compat.output,
         per_rank_env=compat.per_rank_env,
         signals=compat.signals,

@@ -233,7 +233,7 @@ class ElasticAgent:
             node_id=self.settings.node_id,
             host=self.host,
             nproc=self.settings.nproc,
-            store_port=free_port(self.host),
+            store_port=free_port(self.host, self.settings.store_ports),
             min_nodes=self.settings.job.min_nodes,
             max_nodes=self.settings.job.max_nodes,
             # Sent only when true: a master of the previous release, which lacks the field, takes the rest.

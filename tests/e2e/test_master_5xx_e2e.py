@@ -19,8 +19,8 @@ import dataclasses
 import itertools
 import re
 import socket
+import sys
 import threading
-import time
 
 import e2e
 import pytest
@@ -38,8 +38,12 @@ launch = e2e.launch
 
 pytestmark = pytest.mark.slow
 
-#: Shorter than the heartbeat timeout: the master must not declare the node dead meanwhile.
-FAILING_S = HEARTBEAT_TIMEOUT_S / 2
+#: This test's heartbeat timeout: long enough that a loaded machine's slow heartbeats through the fault
+#: never look like a dead node; the fault ends well within it.
+TIMEOUT_S = 4 * HEARTBEAT_TIMEOUT_S
+#: The fault lasts until the agent has met this many 5xx answers (over HTTP), or at most FAILING_S.
+ERRORS_WANTED = 3
+FAILING_S = TIMEOUT_S / 2
 
 
 class FaultyRelay:
@@ -56,6 +60,7 @@ class FaultyRelay:
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.failing = threading.Event()
         self.errors_sent = 0
+        self._error_sent = threading.Condition()
         #: Open connections the master switched to the agent stream (101): tunnels, never failed.
         self.tunnels = 0
         self.connections = 0
@@ -64,10 +69,14 @@ class FaultyRelay:
         self._closed = False
         threading.Thread(target=self._accept, name="relay", daemon=True).start()
 
-    def fail_for(self, seconds: float) -> None:
-        """Answer 5xx to every request that arrives within ``seconds``."""
+    def fail_until(self, errors: int, at_most_s: float) -> None:
+        """Answer 5xx to every request until ``errors`` answers were sent, or for ``at_most_s`` seconds.
+
+        Counted, not timed: a loaded machine's agent sends fewer requests a second, and a fixed window
+        would then test the machine's speed rather than the agent."""
         self.failing.set()
-        time.sleep(seconds)  # the fault's duration: the point of the test, not a synchronisation
+        with self._error_sent:
+            self._error_sent.wait_for(lambda: self.errors_sent >= errors, timeout=at_most_s)
         self.failing.clear()
 
     def close(self) -> None:
@@ -153,8 +162,9 @@ class FaultyRelay:
             client.sendall(
                 f"HTTP/1.1 {status} {reason}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n".encode()
             )
-            with self._lock:
+            with self._error_sent:
                 self.errors_sent += 1
+                self._error_sent.notify_all()
         except OSError:
             pass
 
@@ -168,7 +178,7 @@ def _close(sock: socket.socket) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("transport", ["http", "stream"])
 def test_an_agent_rides_through_500_502_504_without_restarting_its_workers(launch, tmp_path, transport):
-    cluster = start_cluster(launch, tmp_path, "1:1")
+    cluster = start_cluster(launch, tmp_path, "1:1", "--heartbeat-timeout", str(TIMEOUT_S))
     relay = FaultyRelay(cluster.address)
     try:
         agent = dataclasses.replace(cluster, address=relay.address).agent(
@@ -180,9 +190,9 @@ def test_an_agent_rides_through_500_502_504_without_restarting_its_workers(launc
         pids = agent.worker_pids()
         assert pids, "the worker runs"
         connections = relay.connections
-        relay.fail_for(FAILING_S)
+        relay.fail_until(ERRORS_WANTED if transport == "http" else sys.maxsize, FAILING_S)
         if transport == "http":
-            assert relay.errors_sent >= 3, f"the agent met only {relay.errors_sent} 5xx answers"
+            assert relay.errors_sent >= ERRORS_WANTED, f"the agent met only {relay.errors_sent} 5xx answers"
         else:  # one stream, opened before the fault and kept through it: nothing for the proxy to fail
             assert relay.tunnels == 1 and relay.connections == connections, (relay.tunnels, connections)
         wait_until(lambda: agent.worker_pids() == pids and _last_step(agent) >= 20, START_S, "steps after")

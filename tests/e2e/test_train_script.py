@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "train_script.py"
@@ -38,12 +38,6 @@ class Worker:
 
     def errors(self) -> str:
         return self.stderr.read_text()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker_env(rank: int, world_size: int, port: int, **extra: str) -> dict[str, str]:

@@ -234,6 +234,7 @@ def test_the_worker_sees_torchruns_contract(
     spec = probe_spec(tmp_path, how, mode, out)
     group = groups(mode)
     assert [e.returncode for e in run(group, spec, mode)] == [0, 0]
+    group.stop()  # joins the output readers: an exit can overtake the worker's last lines
     root = Path(spec.cwd or "")
     error_dir = tmp_path / "errors" / "round3"
     for dump, env, rank in zip(load_dumps(out, mode), spec.envs, (2, 3), strict=True):
@@ -360,6 +361,8 @@ def test_exit_codes_output_and_failure_info_match(
         spec = WorkerSpec(argv=[PY, "-u", str(script), how, str(flushed)], envs=[env], global_ranks=[7])
         group = groups(mode)
         (exit_,) = run(group, spec, mode)
+        # The exit can overtake the worker's last lines; stopping the group joins its output readers.
+        group.stop()
         info = group.failure_info(exit_) if exit_.returncode else None
         captured = capfd.readouterr()
         seen[mode] = (exit_.returncode, info and (info.exit_code, info.signal, info.message), captured)

