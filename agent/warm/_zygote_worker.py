@@ -100,6 +100,7 @@ class _Baseline:
         self.py_exit.restype = None
         self.on_exit = getattr(libc, "on_exit", None)
         self.raise_ = getattr(libc, "raise", None)
+        self.signal_ = getattr(libc, "signal", None)
         if self.on_exit is not None:
             self.on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
             self.on_exit.restype = ctypes.c_int
@@ -394,10 +395,13 @@ def _exit(code: int, base: _Baseline) -> NoReturn:
 
 def _exit_by_sigint(base: _Baseline) -> NoReturn:
     """An uncaught KeyboardInterrupt: finalize, then die by SIGINT (``Py_RunMain``'s ``exit_sigint``)."""
-    if base.on_exit is not None and base.raise_ is not None:
-        # exit(SIGINT) calls raise(SIGINT) after the interpreter's finalization (which restored SIGINT's
-        # default action), before C++ static destructors; the extra on_exit argument is ignored.
+    if base.on_exit is not None and base.raise_ is not None and base.signal_ is not None:
+        # exit(SIGINT) calls, after the interpreter's finalization and before C++ static destructors (on_exit
+        # handlers run last registered first, each as f(status, arg)): signal(SIGINT, NULL = SIG_DFL), then
+        # raise(SIGINT), whose extra argument is ignored. The finalization restores the disposition the
+        # process started with, which is SIG_IGN under `nohup ... &`; CPython's exit_sigint sets SIG_DFL too.
         base.on_exit(ctypes.cast(base.raise_, ctypes.c_void_p), None)
+        base.on_exit(ctypes.cast(base.signal_, ctypes.c_void_p), None)
         _exit(int(signal.SIGINT), base)
     with contextlib.suppress(BaseException):
         threading._shutdown()  # type: ignore[attr-defined]  # private, untyped: the interpreter's exit path

@@ -183,15 +183,15 @@ NFT_RULES = """table inet elastic_inprocess_test {
 @pytest.mark.timeout(300)
 def test_a_group_that_cannot_re_form_falls_back_to_restarting_processes(launch, tmp_path):
     """A real fault, not a hook: in the test's own network namespace, an nft rule drops every new
-    connection to an ephemeral port (the new round's TCPStore), while the master's fixed port and the
-    established connections keep working."""
+    connection to a port from 32768 (the new round's TCPStore: its agent draws it from there, in this
+    namespace of its own), while the master's fixed port and the established connections keep working."""
     unshare, nsenter, nft, ip = (require_tool(t) for t in ("unshare", "nsenter", "nft", "ip"))
     probe = subprocess.run([unshare, "--net", "true"], capture_output=True, text=True)
     if probe.returncode != 0:  # under CI=true this skip fails the run (tests/conftest.py)
         pytest.skip(f"{MISSING_TOOL} 'unshare --net' (root): {probe.stderr.strip()}")
     token_file = tmp_path / "tok"
     token_file.write_text("inprocess-fallback-token\n")
-    port = "29411"  # below the ephemeral range the rule drops
+    port = "29411"  # below the ports the rule drops
     master = elastic_master_argv(
         "--host", "127.0.0.1", "--port", port, "--job-id", "fallback", "--nnodes", "1",
         "--token-file", str(token_file),
@@ -203,7 +203,9 @@ def test_a_group_that_cannot_re_form_falls_back_to_restarting_processes(launch, 
     )  # fmt: skip
     shell = f"{ip} link set lo up && {{ {shlex.join(master)} & }} && exec {shlex.join(agent)}"
     job = launch(
-        [unshare, "--net", "sh", "-c", shell], name="netns", env={**agent_env(), "ELASTIC_PG_TIMEOUT_S": "30"}
+        [unshare, "--net", "sh", "-c", shell],
+        name="netns",
+        env={**agent_env(), "ELASTIC_PG_TIMEOUT_S": "30", "ELASTIC_STORE_PORTS": "40000-49999"},
     )
     wait_until(lambda: len(worlds(job.output())) == 2, START_S, "both ranks' first world")
     job.wait_for(r"^\[rank0\]:step=12 ", START_S)

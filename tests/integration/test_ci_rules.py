@@ -25,7 +25,7 @@ def test_needs_a_present_tool():
 
 def run_probe(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess[str]:
     shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
-    for name in ("tools.py", "etcd_server.py"):
+    for name in ("tools.py", "etcd_server.py", "ports.py"):
         shutil.copy(SUPPORT / name, tmp_path / name)
     (tmp_path / "test_probe.py").write_text(PROBE)
     env = base_env()

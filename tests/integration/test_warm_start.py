@@ -38,6 +38,11 @@ PY = sys.executable
 BASE_ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONUNBUFFERED": "1"}
 ZYGOTE_READY_TIMEOUT_S = 120
 MODES = ["exec", "warm"]
+#: What a fresh interpreter's SIGINT handler is: its default one, unless SIGINT was ignored when this process
+#: started (`nohup ... &`), which every process it starts inherits.
+SIGINT_AT_START = (
+    signal.SIG_IGN if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else signal.default_int_handler
+)
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
@@ -267,7 +272,7 @@ def test_the_worker_sees_torchruns_contract(
         assert dump["stdio"][1] == ["FileIO", "<stdout>", "w", "utf-8", dump["stdio"][1][4], False, True]
         assert dump["dunder_stdio"] == [True, True, True]
         assert dump["sigmask"] == []
-        assert dump["signals"]["SIGINT"] == repr(signal.default_int_handler)
+        assert dump["signals"]["SIGINT"] == repr(SIGINT_AT_START)
         assert dump["signals"]["SIGTERM"] == repr(signal.SIG_DFL)
         assert dump["threads"] == 1 and dump["torch_threads"] == 1 and not dump["cuda_initialized"]
         assert dump["noise"]["preloaded_torch"] is (mode == "warm")
