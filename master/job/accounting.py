@@ -72,6 +72,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from elastic.control.job_settings import JobSettings
+from elastic.control.protocol import Outcome
+from elastic.exit_codes import ExitCode
 from master.job.crash_loop import CrashLoop, CrashLoopPolicy
 from master.job.events import Cause, Event, EventKind
 
@@ -98,6 +100,10 @@ class PendingFailure:
         return f" (declared dead {max(0.0, now - self.reported_at):.1f} s after the failure report)"
 
 
+#: Integrity rollbacks a budget remembers having charged (each is reported a few times, close together).
+ROLLBACKS_KEPT = 64
+
+
 class RestartBudget:
     """Restarts spent of ``max_restarts``; the failure charged provisionally, if any (module docstring)."""
 
@@ -107,10 +113,15 @@ class RestartBudget:
         spent: int = 0,
         charged_rounds: Iterable[int] = (),
         crash_loop: CrashLoop | None = None,
+        charged_rollbacks: Iterable[Iterable[int]] = (),
     ) -> None:
         self.max_restarts = max_restarts
         self._spent = spent
         self._charged_rounds: set[int] = set(charged_rounds)  # rounds whose failure was charged
+        #: Integrity rollbacks charged, as (step of the detection, step rolled back to); the newest only.
+        self._charged_rollbacks: list[tuple[int, int]] = [(int(a), int(b)) for a, b in charged_rollbacks][
+            -ROLLBACKS_KEPT:
+        ]
         self._pending: PendingFailure | None = None
         #: The crash-loop policy and its series (durable with the budget).
         self.crash_loop = crash_loop if crash_loop is not None else CrashLoop(CrashLoopPolicy())
@@ -160,6 +171,28 @@ class RestartBudget:
         )
         return self._pending
 
+    def charge_rollback(self, step: int, rolled_back_to: int) -> bool | None:
+        """An integrity rollback from the detection at ``step`` to verified step ``rolled_back_to``
+        (master.job.findings), which keeps the workers and their round: charge one restart. True when
+        charged, False when the budget was spent (the job fails: :meth:`exhausted`), None when this
+        rollback was charged already (several ranks report it; a master taking over may see it again)."""
+        key = (step, rolled_back_to)
+        if key in self._charged_rollbacks:
+            return None
+        self._charged_rollbacks = [*self._charged_rollbacks, key][-ROLLBACKS_KEPT:]
+        if self._spent >= self.max_restarts:
+            return False
+        self._spent += 1
+        return True
+
+    def exhausted(self, cause: str) -> Outcome:
+        """The job's outcome when a failure or a rollback (``cause``) finds the budget spent."""
+        summary = (
+            f"job failed after {self._spent + 1} attempt(s) (max restarts {self.max_restarts}); "
+            f"root cause: {cause}"
+        )
+        return Outcome(succeeded=False, exit_code=ExitCode.FAILED, summary=summary)
+
     def refund(self, node_id: str) -> PendingFailure | None:
         """``node_id`` was lost before the restart round closed: if it was a member of the pending
         failure's round, that failure followed its loss (a membership change): give its restart back and
@@ -185,13 +218,19 @@ class RestartBudget:
         return {
             "restart_count": self._spent,
             "round_failed": sorted(self._charged_rounds),
+            "rollbacks_charged": [list(key) for key in self._charged_rollbacks],
             "crash_loop": self.crash_loop.snapshot(),
         }
 
     @classmethod
     def restore(cls, max_restarts: int, data: dict[str, Any]) -> RestartBudget:
         """From a job snapshot holding :meth:`snapshot`'s keys (absent: nothing spent)."""
-        return cls(max_restarts, int(data.get("restart_count", 0)), data.get("round_failed", []))
+        return cls(
+            max_restarts,
+            int(data.get("restart_count", 0)),
+            data.get("round_failed", []),
+            charged_rollbacks=data.get("rollbacks_charged", []),
+        )
 
 
 @dataclass

@@ -57,6 +57,9 @@ class Judged:
     events: list[News] = field(default_factory=list)
     stop: Outcome | None = None
     odd: bool = False
+    #: Rollbacks first seen: (step of the detection, verified step rolled back to), each charged once
+    #: against the restart budget (master.job.accounting.RestartBudget.charge_rollback).
+    rollbacks: list[tuple[int, int]] = field(default_factory=list)
 
 
 def fresh(seen: frozenset[str], reports: Iterable[Finding]) -> list[Finding]:
@@ -133,6 +136,7 @@ class Findings:
                     f"integrity: rolled back in process to verified step {finding.rolled_back_to} ({line})"
                 )
                 judged.events.append(News(EventKind.INTEGRITY_ROLLED_BACK, message, data))
+                judged.rollbacks.append((step, finding.rolled_back_to))
             return
         if is_odd(finding) and self._first((node_id, *key)):
             judged.odd = True

@@ -636,12 +636,7 @@ class Job:
         if closed is not None:
             unpaid = self.budget.settle()
             if unpaid is not None:  # the budget was spent and no loss explained the failure
-                attempts = self.restart_count + 1
-                summary = (
-                    f"job failed after {attempts} attempt(s) "
-                    f"(max restarts {self.settings.max_restarts}); root cause: {unpaid.cause}"
-                )
-                self._finish(Outcome(succeeded=False, exit_code=EXIT_FAILED, summary=summary), now)
+                self._finish(self.budget.exhausted(unpaid.cause), now)
                 return
             self.round_term = self.term  # assignments are first revealed now, under this term
             self._wake()  # waiting nodes get their assignment
@@ -906,6 +901,10 @@ class Job:
         node.corrupt_seen = frozenset(found.id for found in req.ckpt_corrupt)
         for news in judged.events:
             self.record(now, news.kind, news.message, node=node.node_id, data=news.data)
+        for step, back_to in judged.rollbacks:
+            self.note_durable_change()
+            if self.budget.charge_rollback(step, back_to) is False and self.outcome is None:
+                self._finish(self.budget.exhausted(f"integrity rollback from step {step} to {back_to}"), now)
         if self.outcome is None and judged.stop is not None:
             self._finish(judged.stop, now)
         elif self.outcome is None and judged.odd:

@@ -16,6 +16,7 @@ from elastic.control.job_settings import JobSettings, SettingsError
 from elastic.control.protocol import Command, Finding, HeartbeatRequest, IntegrityFinding, NodeState
 from elastic.exit_codes import ExitCode
 from master.cli.status import render_status
+from master.job.accounting import RestartBudget
 from master.job.errors import NodeExcludedError
 from master.job.job import Job
 
@@ -85,7 +86,8 @@ def test_a_nan_that_recurs_after_a_rollback_stops_the_job_for_good_naming_step_a
 
 
 def test_a_node_named_the_odd_replica_twice_in_the_window_is_excluded_durably_until_readmitted():
-    job = make_job(min_nodes=2, max_nodes=3, suspect_count=2, suspect_window_s=100.0)
+    # Three rollbacks, each charged against the restart budget (master.job.accounting).
+    job = make_job(min_nodes=2, max_nodes=3, suspect_count=2, suspect_window_s=100.0, max_restarts=5)
     running(job, 0.0, "a", "b", "c")
     flip(job, 1.0, 5)
     assert flip(job, 150.0, 9) is Command.CONTINUE, "the first naming left the window"
@@ -135,3 +137,17 @@ def test_a_checkpoint_corruption_still_travels_the_same_path():
     calls.heartbeat(job, req, 2.0)  # sent again until answered: recorded once
     assert kinds(job)[-1:] == ["checkpoint_corrupt"] and job.stats.checkpoint_corrupt == 1
     assert "integrity" not in damaged.model_dump_json(exclude_unset=True), "an older master's wire form"
+
+
+def test_each_rollback_is_charged_once_against_the_restart_budget_and_a_spent_one_fails_the_job():
+    job = make_job(min_nodes=3, max_nodes=3, max_restarts=1)
+    running(job, 0.0, "a", "b", "c")
+    assert flip(job, 1.0, 12) is Command.CONTINUE  # two ranks report the rollback: one charge
+    assert job.restart_count == 1 and job.outcome is None
+    # A master taking over sees the same rollback again (soft state lost): it is not charged twice.
+    budget = RestartBudget.restore(1, job.budget.snapshot())
+    assert budget.charge_rollback(12, 11) is None and budget.spent == 1
+    flip(job, 2.0, 20, odd_node="b")
+    assert job.outcome is not None and job.outcome.exit_code == ExitCode.FAILED
+    assert "max restarts 1" in job.outcome.summary
+    assert "integrity rollback from step 20 to 19" in job.outcome.summary

@@ -82,6 +82,7 @@ def test_the_snapshot_keeps_what_was_spent_and_charged_but_no_pending_failure():
     assert data == {
         "restart_count": 2,
         "round_failed": [1, 4],
+        "rollbacks_charged": [],  # master.job.findings: test_integrity_findings.py
         "crash_loop": {"series": None, "verdict": ""},  # master.job.crash_loop: test_crash_loop.py
     }
     again = RestartBudget.restore(3, data)
