@@ -24,8 +24,15 @@ deposed writer, or a submission running next to a newer one on the same folder. 
 is the masters' wall clocks: two submissions started within the clock skew of their masters' hosts may be
 misordered (the later one is then refused, loudly).
 
-The lock is waited for at most ``lock_timeout_s`` (a writer hung on a dead NFS server holds it), polling
-so that a stopping keeper can cancel the wait. Where the file system has no ``flock`` the commit goes on
+The lock is waited for at most ``lock_timeout_s``, polling so that a stopping keeper can cancel the wait.
+A commit holds it for milliseconds; one held for ``break_after_s`` (default 10 s) belongs to a writer that
+is frozen (its node SIGSTOPped or cut off: the master declares it dead, but the kernel keeps its lock) or
+hung on dead storage, and would otherwise keep every other node of the job from persisting. The waiter then
+breaks it: it replaces the fence file by a copy (a new inode: ``flock`` belongs to the inode) and locks the
+copy. A writer whose fence file was replaced while it held the lock has lost it: just before it publishes
+it checks that the file it locked is still the folder's fence (:func:`still_holds`), and gives its commit
+up if not (not published, an error for its keeper) instead of moving ``latest`` on stale knowledge.
+Where the file system has no ``flock`` the commit goes on
 unlocked (warned once): the decisions still hold, only two commits at the same instant may race.
 Standard library only.
 """
@@ -51,6 +58,8 @@ log = logging.getLogger(__name__)
 
 FENCE_FILE = ".fence"
 DEFAULT_LOCK_TIMEOUT_S = 60.0
+#: A fence lock held this long is broken (module doc): far longer than any commit takes.
+DEFAULT_BREAK_AFTER_S = 10.0
 _POLL_S = 0.05
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 _warned_no_flock = False
@@ -58,6 +67,10 @@ _warned_no_flock = False
 
 class FenceLockTimeoutError(errors.CheckpointError, TimeoutError):
     """Another writer held the folder's fence lock for longer than the wait allowed (or it was cancelled)."""
+
+
+class FenceLostError(errors.CheckpointError):
+    """This writer's fence lock was broken while it held it (it was frozen or hung): it must not publish."""
 
 
 @dataclass(frozen=True)
@@ -106,17 +119,24 @@ def decide(
 
 
 @contextlib.contextmanager
-def fence_lock(directory: Path, timeout_s: float, cancel: threading.Event) -> Iterator[int]:
+def fence_lock(
+    directory: Path, timeout_s: float, cancel: threading.Event, break_after_s: float = DEFAULT_BREAK_AFTER_S
+) -> Iterator[int]:
     """Hold the folder's fence lock; yields the fence file's descriptor (read and written in place: the
-    lock belongs to the inode, so the file is never replaced)."""
+    lock belongs to the inode, so the file is never replaced but by a breaker, module doc)."""
     global _warned_no_flock
-    fd = os.open(directory / FENCE_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    path = directory / FENCE_FILE
+    fd = _open(path)
     try:
         deadline = time.monotonic() + timeout_s
+        break_at = time.monotonic() + break_after_s
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                if still_holds(fd, directory):
+                    break
+                fd = _reopen(fd, path)  # a breaker replaced the file while this one waited: lock the new one
+                continue
             except BlockingIOError:
                 pass
             except OSError as exc:
@@ -130,13 +150,66 @@ def fence_lock(directory: Path, timeout_s: float, cancel: threading.Event) -> It
                 break
             if cancel.is_set() or time.monotonic() >= deadline:
                 raise FenceLockTimeoutError(
-                    f"another writer holds the lock of {directory / FENCE_FILE}"
+                    f"another writer holds the lock of {path}"
                     + (" (gave up: stopping)" if cancel.is_set() else f" for more than {timeout_s:g}s")
                 )
+            if time.monotonic() >= break_at:
+                fd = _break(fd, path, break_after_s)
+                break_at = time.monotonic() + break_after_s
+                continue
             cancel.wait(_POLL_S)  # flock has no timeout; poll, so that a stop can end the wait
         yield fd
     finally:
         os.close(fd)  # releases the lock
+
+
+def still_holds(fd: int, directory: Path) -> bool:
+    """Whether the fence file ``fd`` is open on is still the folder's (no breaker replaced it)."""
+    try:
+        return os.fstat(fd).st_ino == os.stat(directory / FENCE_FILE).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _open(path: Path) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+
+
+def _reopen(fd: int, path: Path) -> int:
+    os.close(fd)
+    return _open(path)
+
+
+def _break(fd: int, path: Path, held_s: float) -> int:
+    """Replace the fence file that ``fd`` is open on (its lock held for ``held_s`` by a frozen writer) by a
+    copy, unless another waiter did already; returns a descriptor of the folder's fence file now."""
+    if still_holds(fd, path.parent):
+        tmp = path.with_name(f"{FENCE_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
+        content = os.pread(fd, 4096, 0)
+        new = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        try:
+            os.write(new, content)
+            os.fsync(new)
+        finally:
+            os.close(new)
+        os.replace(tmp, path)
+        layout.fsync_dir(path.parent)
+        log.warning(
+            "the checkpoint fence lock of %s was held for over %gs (its writer is frozen or its storage "
+            "hangs): broke it",
+            path.parent,
+            held_s,
+        )
+    return _reopen(fd, path)
+
+
+def check_still_holds(fd: int, directory: Path) -> None:
+    """Raise :class:`FenceLostError` when this writer's fence lock was broken (it was frozen meanwhile)."""
+    if not still_holds(fd, directory):
+        raise FenceLostError(
+            f"the fence lock of {directory} was broken while this writer held it (it was frozen or its "
+            "storage hung): not published, the folder moved on without it"
+        )
 
 
 def read_fence(fd: int) -> Fence:
@@ -199,6 +272,7 @@ def commit(
             decision = decide(round_, step, fenced.round, latest, incarnation, fenced.incarnation)
             if not decision.publish:
                 return decision
+            check_still_holds(fd, directory)
             os.replace(tmp, final)
             layout.fsync_dir(directory)
             if decision.move_latest:

@@ -107,6 +107,7 @@ def persist(
             )
             if not decision.publish:
                 return Outcome(False, False, decision.why)
+            ckpt_fence.check_still_holds(fd, root)
             try:
                 for name, tmp in temps.items():
                     os.replace(tmp, target / name)
