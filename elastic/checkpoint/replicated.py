@@ -256,9 +256,10 @@ def load(
     after :func:`elastic.init_process_group`.
 
     Without a process group in a multi-rank world (no collective to agree with), the step the job
-    master recorded as committed (``ELASTIC_COMMITTED_STEP``, set by elastic-run) is the agreement; before
-    the master knows one, under an agent that offers in-process recovery, this node's newest copy (the
-    ranks then agree inside :func:`elastic.run`).
+    master recorded as committed (``ELASTIC_COMMITTED_STEP``, set by elastic-run) is the agreement. Under an
+    agent that offers in-process recovery, a process that holds no copy of it (or knows none yet) starts
+    from this node's newest copy up to it, or from nothing: the ranks then agree inside
+    :func:`elastic.run`, which sends the committed step to the ranks that lack it.
     ``ELASTIC_CKPT_RESET=1`` (``elastic-run --ckpt-reset``, first start only) makes this rank ignore its
     own checkpoints: with it on every rank, training starts fresh.
 
@@ -286,7 +287,22 @@ def load(
     committed = env_int(COMMITTED_STEP_ENV, None)
     wanted = step
     if wanted is None and world == 0 and (env_int("WORLD_SIZE", 1) or 1) > 1 and copies:
-        if committed is not None:
+        if committed is not None and os.environ.get(INPROCESS_SOCKET) and committed not in copies:
+            # A process started to join live ranks under an agent that offers in-process recovery (a spare
+            # taking a lost rank, a replacement for a killed worker) need not hold the committed step:
+            # elastic.run's agreement sends it from a rank that does. Start from this node's newest copy
+            # up to it, or from nothing; never fail the start for a copy the live ranks will send.
+            older = [s for s in copies if s <= committed]
+            log.warning(
+                "elastic.load without a process group: this node holds no copy of the committed step %d; "
+                "starting from %s, elastic.run agrees on the state with the other ranks",
+                committed,
+                f"its newest older copy (step {max(older)})" if older else "no checkpoint",
+            )
+            if not older:
+                return None
+            copies = {s: paths for s, paths in copies.items() if s <= committed}
+        elif committed is not None:
             wanted = committed
         elif os.environ.get(INPROCESS_SOCKET):
             # The agent offers in-process recovery, and the job master knows no committed step yet (a worker

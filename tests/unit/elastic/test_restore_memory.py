@@ -128,3 +128,30 @@ def test_a_load_before_any_group_and_any_committed_step_restores_the_newest_copy
     monkeypatch.setenv("ELASTIC_INPROCESS_SOCKET", str(flash_env / "inprocess.sock"))
     loaded = checkpoint.load()
     assert loaded is not None and loaded[1] == 2 and torch.equal(loaded[0]["w"], torch.full((4,), 2.0))
+
+
+@pytest.mark.timeout(60)
+def test_a_process_joining_live_ranks_without_the_committed_step_starts_from_what_it_has(
+    flash_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spare taking a lost rank (or a replacement for a killed worker) under an agent that offers
+    in-process recovery may hold no copy of the committed step: its early ``elastic.load`` starts from
+    this node's newest copy up to that step, or from nothing, and ``elastic.run`` receives the committed
+    step from a live rank (before, it raised "not loadable by any rank" at every start: a crash loop)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ELASTIC_INPROCESS_SOCKET", str(flash_env / "inprocess.sock"))
+    for step in (3, 4):
+        checkpoint.save({"w": torch.full((4,), float(step))}, step)
+    flash.wait_all()
+    monkeypatch.setenv("ELASTIC_COMMITTED_STEP", "9")  # the live ranks' step, not on this node
+    loaded = checkpoint.load()
+    assert loaded is not None and loaded[1] == 4, "the newest copy up to the committed step"
+    monkeypatch.setenv("ELASTIC_COMMITTED_STEP", "2")  # older than any copy here: nothing to start from
+    assert checkpoint.load() is None
+    monkeypatch.setenv("ELASTIC_COMMITTED_STEP", "3")  # held here: exactly it, not the newer copy
+    loaded = checkpoint.load()
+    assert loaded is not None and loaded[1] == 3
+    monkeypatch.delenv("ELASTIC_INPROCESS_SOCKET")
+    monkeypatch.setenv("ELASTIC_COMMITTED_STEP", "9")  # no in-process offer: the committed step is required
+    with pytest.raises(checkpoint.CheckpointError, match="step 9 is not loadable"):
+        checkpoint.load()
