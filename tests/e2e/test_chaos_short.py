@@ -24,10 +24,7 @@ DURATION = INTERVAL * len(CHEAP_KINDS)
 @pytest.mark.slow
 @pytest.mark.etcd
 @pytest.mark.timeout(600)
-# Process restarts only for now: with --mode inprocess a SIGKILLed rank-0 worker can stall the re-formed
-# group until the hang timeout and the fallback restart then fail to load the agreed step (a crash loop,
-# exit 3): docs/benchmarks.md, Chaos. Add "inprocess" here once that is fixed.
-@pytest.mark.parametrize("mode", ["restart"])
+@pytest.mark.parametrize("mode", ["restart", "inprocess"])
 def test_chaos_short_run_passes_its_final_check(tmp_path: Path, mode: str) -> None:
     data = tmp_path / "chaos.json"
     argv = [
