@@ -21,8 +21,9 @@ from pathlib import Path
 
 import e2e
 import pytest
-from e2e import Proc, alive, elastic_run_argv, wait_until
-from test_hang_e2e import START_S, assert_no_survivors, env, worker_pid
+from e2e import Proc, alive, elastic_run_argv, wait_until, worker_pid
+from multinode_cluster import START_S, assert_no_survivors
+from multinode_cluster import agent_env as env
 
 from agent.observe.hang_policy import DEFAULT_POLICY
 

@@ -25,9 +25,17 @@ from pathlib import Path
 
 import e2e
 import httpx
-import psutil
 import pytest
-from e2e import TRAIN_SCRIPT, Proc, alive, base_env, elastic_master_argv, elastic_run_argv, wait_until
+from e2e import (
+    TRAIN_SCRIPT,
+    Proc,
+    alive,
+    base_env,
+    elastic_master_argv,
+    elastic_run_argv,
+    wait_until,
+    worker_pid,
+)
 
 from elastic.control.protocol import API_PREFIX, JOB_HEADER
 
@@ -46,21 +54,6 @@ TOKEN = "health-test-token"
 
 def env(**extra: str) -> dict[str, str]:
     return base_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
-
-
-def worker_pid(agent: Proc, rank: int, marker: str) -> int:
-    """PID of the agent's descendant of global ``rank`` whose command line contains ``marker``."""
-
-    def find():
-        for proc in agent.descendants():
-            try:
-                if any(marker in part for part in proc.cmdline()) and proc.environ().get("RANK") == str(rank):
-                    return proc.pid
-            except psutil.Error:
-                continue
-        return None
-
-    return wait_until(find, 30, f"the worker of rank {rank}")
 
 
 def assert_no_survivors(*procs: Proc) -> None:

@@ -8,7 +8,6 @@ trained exactly once and no committed step is redone.
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -17,7 +16,8 @@ from pathlib import Path
 import e2e
 import pytest
 import torch
-from e2e import REPO, alive, elastic_master_argv, elastic_run_argv, wait_until
+from e2e import alive, elastic_master_argv, elastic_run_argv, wait_until
+from inprocess_jobs import check_samples_once, script, worlds
 from multinode_cluster import (
     EXIT_S,
     HEARTBEAT_TIMEOUT_S,
@@ -33,57 +33,6 @@ from tools import MISSING_TOOL, require_tool
 launch = e2e.launch
 
 pytestmark = pytest.mark.slow
-
-SCRIPT = REPO / "scripts" / "train_inprocess.py"
-WORLD_LINE = re.compile(
-    r"^\[rank\d+\]:world rank=(\d+) world=(\d+) round=(\d+) restart=(\d+) step=(\d+) pid=(\d+) state=(\w+)$",
-    re.M,
-)
-
-
-def worlds(output: str) -> list[dict[str, int | str]]:
-    """Every ``world`` line: one per rank each time its group formed."""
-    keys = ("rank", "world", "round", "restart", "step", "pid")
-    return [
-        {**dict(zip(keys, map(int, m[:6]), strict=True)), "state": m[6]} for m in WORLD_LINE.findall(output)
-    ]
-
-
-def script(tmp_path: Path, steps: int, step_time: float, *extra: str) -> list[str]:
-    return [
-        str(SCRIPT),
-        "--steps",
-        str(steps),
-        "--step-time",
-        str(step_time),
-        "--batch-size",
-        "64",
-        "--num-samples",
-        "1024",
-        "--sample-log",
-        str(tmp_path / "samples"),
-        *extra,
-    ]
-
-
-def check_samples_once(folder: Path, steps: int, world: int) -> None:
-    """Each step 1..steps was trained once per rank slot (the newest round that logged it counts), and
-    no sample index appears twice in one epoch."""
-    latest: dict[tuple[int, int], tuple[int, int, list[str]]] = {}  # (step, rank) -> (round, epoch, rows)
-    for path in folder.glob("round*-rank*-pid*.log"):
-        round_number, rank = map(int, re.match(r"round(\d+)-rank(\d+)-", path.name).groups())
-        for line in path.read_text().splitlines():
-            step, epoch, *rows = line.split()
-            key = (int(step), rank)
-            if key not in latest or latest[key][0] < round_number:
-                latest[key] = (round_number, int(epoch), rows)
-    assert sorted({s for s, _ in latest}) == list(range(1, steps + 1)), "a step is missing"
-    by_epoch: dict[int, list[str]] = {}
-    for (_, rank), (_, epoch, rows) in latest.items():
-        if rank < world:
-            by_epoch.setdefault(epoch, []).extend(rows)
-    for epoch, rows in by_epoch.items():
-        assert len(rows) == len(set(rows)), f"epoch {epoch}: a sample was trained twice"
 
 
 def standalone(launch, tmp_path: Path, name: str, steps: int, step_time: float):

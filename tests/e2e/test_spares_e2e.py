@@ -12,8 +12,8 @@ import signal
 import e2e
 import pytest
 from e2e import wait_until
+from inprocess_jobs import check_samples_once, script, worlds
 from multinode_cluster import START_S, assert_no_survivors, assert_succeeded, remember_workers, start_cluster
-from test_inprocess_e2e import check_samples_once, script, worlds
 
 launch = e2e.launch
 

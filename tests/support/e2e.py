@@ -236,3 +236,18 @@ def jobs() -> Iterator[list[str]]:
         kept = [p for p in SHM.iterdir() if p.name.startswith(f"elastic-unpersisted-{job}-")]
         for folder in shm_folders(job) + kept:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def worker_pid(agent: Proc, rank: int, marker: str) -> int:
+    """PID of the agent's descendant of global ``rank`` whose command line contains ``marker``."""
+
+    def find():
+        for proc in agent.descendants():
+            try:
+                if any(marker in part for part in proc.cmdline()) and proc.environ().get("RANK") == str(rank):
+                    return proc.pid
+            except psutil.Error:
+                continue
+        return None
+
+    return wait_until(find, 30, f"the worker of rank {rank}")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from test_master_link import MASTER_TIMEOUT, FakeClient, FakeClock, link_for, thread_policy
+from master_link_fakes import MASTER_TIMEOUT, FakeClient, FakeClock, link_for, thread_policy
 
 from agent.executor.master_link import CallFailed
 from agent.machine import events as ev
