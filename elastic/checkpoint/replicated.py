@@ -287,33 +287,26 @@ def load(
     committed = env_int(COMMITTED_STEP_ENV, None)
     wanted = step
     if wanted is None and world == 0 and (env_int("WORLD_SIZE", 1) or 1) > 1 and copies:
-        if committed is not None and os.environ.get(INPROCESS_SOCKET) and committed not in copies:
-            # A process started to join live ranks under an agent that offers in-process recovery (a spare
-            # taking a lost rank, a replacement for a killed worker) need not hold the committed step:
-            # elastic.run's agreement sends it from a rank that does. Start from this node's newest copy
-            # up to it, or from nothing; never fail the start for a copy the live ranks will send.
-            older = [s for s in copies if s <= committed]
-            log.warning(
-                "elastic.load without a process group: this node holds no copy of the committed step %d; "
-                "starting from %s, elastic.run agrees on the state with the other ranks",
-                committed,
-                f"its newest older copy (step {max(older)})" if older else "no checkpoint",
-            )
-            if not older:
-                return None
-            copies = {s: paths for s, paths in copies.items() if s <= committed}
-        elif committed is not None:
+        if committed is not None and committed in copies:
             wanted = committed
         elif os.environ.get(INPROCESS_SOCKET):
-            # The agent offers in-process recovery, and the job master knows no committed step yet (a worker
-            # lost within a heartbeat of the first save): this process was started to join the live ranks,
-            # and elastic.run agrees on the state with them before training (the newest committed step
-            # is sent to every rank that lacks it), so this node's newest copy is only a starting point.
+            # A process started to join live ranks under an agent that offers in-process recovery (a spare
+            # taking a lost rank, a replacement, a worker lost before the master knew a committed step):
+            # elastic.run agrees on the state with the live ranks before training and sends the committed
+            # step to every rank that lacks it. This node's newest copy up to that step (any, while none is
+            # known) is only a starting point, and no copy at all is no error.
+            usable = {s: paths for s, paths in copies.items() if committed is None or s <= committed}
             log.warning(
-                "elastic.load without a process group and no committed step known yet: restoring this "
-                "node's newest copy (step %d); elastic.run agrees on the state with the other ranks",
-                max(copies),
+                "elastic.load without a process group, %s: starting from %s; elastic.run agrees on the "
+                "state with the other ranks",
+                f"no copy of committed step {committed}" if committed is not None else "no committed step",
+                f"this node's copy of step {max(usable)}" if usable else "no checkpoint",
             )
+            if not usable:
+                return None
+            copies = usable
+        elif committed is not None:
+            wanted = committed  # held by no rank without a group: the error below names it
         else:
             raise CheckpointError(
                 "cannot agree on a checkpoint step without a process group: call "
