@@ -53,6 +53,37 @@ def test_one_flipped_bit_changes_the_digest_and_only_its_part(bit):
     assert len(set(before)) == 4  # parts never share a digest
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_non_finite_gradient_check_is_exact(dtype):
+    model = torch.nn.Linear(4, 3).to(dtype)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    assert not digests.non_finite_grads(model)
+    weight = model.weight.grad
+    assert weight is not None
+    big = torch.finfo(dtype).max / 2  # finite elements whose sum overflows: not a finding
+    weight.fill_(big)
+    assert not digests.non_finite_grads(model)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        weight.fill_(1.0)
+        weight[1, 2] = bad
+        assert digests.non_finite_grads(model)
+
+
+def test_the_digest_covers_the_optimizer_state_in_state_dict_order():
+    model, optimizer = make()
+    train_step(model, optimizer, 1)
+    by_state_dict = [p.detach() for p in model.parameters()]
+    state = optimizer.state_dict()["state"]
+    for index in sorted(state):
+        by_state_dict += [
+            state[index][k] for k in sorted(state[index]) if isinstance(state[index][k], torch.Tensor)
+        ]
+    covered = digests.state_tensors(model, optimizer)
+    assert len(covered) == len(by_state_dict) > len(list(model.parameters()))
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(covered, by_state_dict, strict=True))
+
+
 def test_a_nan_gradient_is_named_and_the_step_before_is_the_rollback():
     model, optimizer = make()
     guard = Guard(parts=1)
