@@ -595,8 +595,13 @@ class JobStatus(_Reply):
     nodes: list[NodeStatus]
     goodput_ratio: float | None = Field(
         default=None,
-        description="Training time / wall time since the job started (docs/observability.md); None before "
-        "any time passed.",
+        description="Productive training time (less the steps trained again after a failure) / wall time "
+        "since the job started (docs/observability.md); None before any time passed.",
+    )
+    badput_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="The rest of the wall time, in seconds by bucket: detection, rendezvous, re_form, "
+        "restore, redone_steps, waiting_for_nodes, other (docs/observability.md).",
     )
     waiting_reason: str = Field(
         default="",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -36,6 +36,7 @@ from master.http.rate_limits import PeerFailureLimiter
 from master.job.accounting import PHASES, RECOVERY_BUCKETS, Histogram
 from master.job.events import CAUSES
 from master.job.rendezvous import Phase
+from master.job.views import job_goodput
 
 METRICS_PATH = "/metrics"
 #: Most nodes that get series of their own (per metric); the rest are in the aggregates.
@@ -72,6 +73,14 @@ def _gauge(name: str, doc: str, value: float | None, job_id: str) -> Iterator[Me
 def _counter(name: str, doc: str, value: float, job_id: str) -> Metric:
     family = CounterMetricFamily(name, doc, labels=["job_id"])
     family.add_metric([job_id], value)
+    return family
+
+
+def _counters(name: str, doc: str, label: str, values: Mapping[str, float], job_id: str) -> Metric:
+    """One counter series per ``values`` key, labelled ``label`` (and the job's id)."""
+    family = CounterMetricFamily(name, doc, labels=["job_id", label])
+    for key, value in values.items():
+        family.add_metric([job_id, key], value)
     return family
 
 
@@ -134,24 +143,34 @@ def _connection_metrics(guard: Any, job_id: str) -> Iterator[Metric]:
         guard.unauthenticated,
         job_id,
     )
-    closed = CounterMetricFamily(
+    yield _counters(
         "elastic_master_connections_closed",
         "Connections the master closed to save descriptors: evicted (presented no valid token, at the "
         "cap), refused (503 busy at the cap or at --max-unauthenticated-per-address), timed_out (a request "
         "head or body not complete within --header-timeout).",
-        labels=["job_id", "reason"],
+        "reason",
+        guard.closed,
+        job_id,
     )
-    for reason, count in guard.closed.items():
-        closed.add_metric([job_id, reason], count)
-    yield closed
 
 
 def _job_metrics(job: Any, job_id: str, now: float) -> Iterator[Metric]:
     stats, settings = job.stats, job.settings
+    figures = job_goodput(job, now)
     yield from _gauge(
         "elastic_goodput_ratio",
-        "Training time / wall time since the job started.",
-        job.goodput.ratio(now),
+        "Productive training time (training less the steps trained again after a failure) / wall time "
+        "since the job started.",
+        figures.ratio,
+        job_id,
+    )
+    yield _counters(
+        "elastic_badput_seconds",
+        "Wall time that was not productive training, by bucket: detection, rendezvous, re_form, restore, "
+        "redone_steps, waiting_for_nodes, other (docs/observability.md); with the productive time they sum "
+        "to the wall time.",
+        "bucket",
+        figures.badput_s,
         job_id,
     )
     yield _counter(
@@ -209,14 +228,13 @@ def _job_metrics(job: Any, job_id: str, now: float) -> Iterator[Metric]:
         stats.checkpoint_corrupt,
         job_id,
     )
-    integrity = CounterMetricFamily(
+    yield _counters(
         "elastic_integrity_detections",
         "Faults the integrity guard detected (docs/integrity.md), by kind: non_finite, mismatch, spike.",
-        labels=["job_id", "kind"],
+        "kind",
+        {kind: stats.integrity.get(kind, 0) for kind in ("non_finite", "mismatch", "spike")},
+        job_id,
     )
-    for kind in ("non_finite", "mismatch", "spike"):
-        integrity.add_metric([job_id, kind], stats.integrity.get(kind, 0))
-    yield integrity
     yield _counter(
         "elastic_integrity_rollbacks",
         "In-process rollbacks to a verified step after an integrity detection.",
@@ -232,12 +250,14 @@ def _job_metrics(job: Any, job_id: str, now: float) -> Iterator[Metric]:
     yield _counter(
         "elastic_leader_changes", "Times a master took over the job.", stats.leader_changes, job_id
     )
-    verdicts = CounterMetricFamily(
-        "elastic_node_verdicts", "The master's verdicts about nodes, by kind.", labels=["job_id", "kind"]
+    kinds = ("worker_failure", "hang", "dead", "left", "suspect", "excluded", "straggler")
+    yield _counters(
+        "elastic_node_verdicts",
+        "The master's verdicts about nodes, by kind.",
+        "kind",
+        {kind: stats.verdicts.get(kind, 0) for kind in kinds},
+        job_id,
     )
-    for kind in ("worker_failure", "hang", "dead", "left", "suspect", "excluded", "straggler"):
-        verdicts.add_metric([job_id, kind], stats.verdicts.get(kind, 0))
-    yield verdicts
     recovery = HistogramMetricFamily(
         "elastic_recovery_seconds", "Recovery time by phase and cause.", labels=["job_id", "phase", "cause"]
     )

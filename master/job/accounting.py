@@ -78,7 +78,7 @@ from master.job.crash_loop import CrashLoop, CrashLoopPolicy
 from master.job.events import Cause, Event, EventKind
 
 if TYPE_CHECKING:
-    pass
+    from master.job.progress import NodeInfo
 
 
 @dataclass(frozen=True)
@@ -530,6 +530,7 @@ class JobStats:
 
     restarts: int = 0  # running worlds stopped by a verdict (any cause): the workers restarted
     steps_lost: int = 0
+    redone_s: float = 0.0  # those steps' time, at the step time when they were lost (redone_seconds)
     verdicts: dict[str, int] = field(default_factory=dict)
     persist_failures: int = 0
     leader_changes: int = 0
@@ -545,6 +546,7 @@ class JobStats:
         if kind == EventKind.ROUND_OPENED and event.cause:
             self.restarts += 1
             self.steps_lost += int(event.data.get("steps_lost", 0))
+            self.redone_s += float(event.data.get("redone_s", 0.0))
         elif kind == EventKind.WORKER_FAILED:
             self._verdict(Cause.HANG if event.cause == Cause.HANG else Cause.WORKER_FAILURE)
         elif kind in _VERDICTS:
@@ -571,6 +573,7 @@ class JobStats:
         return {
             "restarts": self.restarts,
             "steps_lost": self.steps_lost,
+            "redone_s": self.redone_s,
             "verdicts": dict(self.verdicts),
             "persist_failures": self.persist_failures,
             "leader_changes": self.leader_changes,
@@ -592,6 +595,7 @@ class JobStats:
         stats = cls(
             restarts=int(data.get("restarts", 0)),
             steps_lost=int(data.get("steps_lost", 0)),
+            redone_s=float(data.get("redone_s", 0.0)),
             verdicts={str(k): int(v) for k, v in (data.get("verdicts") or {}).items()},
             persist_failures=int(data.get("persist_failures", 0)),
             leader_changes=int(data.get("leader_changes", 0)),
@@ -604,3 +608,93 @@ class JobStats:
             if len(h["buckets"]) == len(RECOVERY_BUCKETS):  # buckets of another layout are dropped
                 stats.recovery[(h["phase"], h["cause"])] = Histogram(list(h["buckets"]), h["count"], h["sum"])
         return stats
+
+
+# -- goodput and badput buckets -------------------------------------------------------------------------
+#: The named parts of the time that was not productive training, in the order they are shown. Recovery
+#: phases map to the first four (``detect`` -> detection, ``rendezvous`` -> rendezvous, ``restart`` ->
+#: re_form, ``first_step`` -> restore: the restore of the checkpoint and the first step after it);
+#: ``redone_steps``: steps trained past the committed checkpoint of a world that broke (trained twice; the
+#: name Google's goodput library gives it: wasted progress from disruption); ``waiting_for_nodes``: the part
+#: of the rendezvous spent with fewer nodes than the minimum; ``other``: the rest (the job's start-up before
+#: its first step, and any time no recovery explains).
+BADPUT_BUCKETS = (
+    "detection",
+    "rendezvous",
+    "re_form",
+    "restore",
+    "redone_steps",
+    "waiting_for_nodes",
+    "other",
+)
+_PHASE_BUCKET = {
+    "detect": "detection",
+    "rendezvous": "rendezvous",
+    "restart": "re_form",
+    "first_step": "restore",
+}
+
+
+def lost_work(members: Iterable[NodeInfo], committed_step: int | None) -> tuple[int, float]:
+    """What a world that broke had trained past its committed step (its members' newest step minus it),
+    in steps and in seconds (:func:`redone_seconds`): the steps its next round trains again."""
+    members = list(members)
+    steps = [m.step for m in members if m.step is not None]
+    lost = max(0, max(steps) - (committed_step or 0)) if steps else 0
+    return lost, redone_seconds(lost, (m.step_time_s for m in members))
+
+
+def redone_seconds(steps_lost: int, step_times: Iterable[float | None]) -> float:
+    """The time of ``steps_lost`` steps at the members' step time (the lower median of those known; the
+    node is as slow as its slowest worker); 0 when no step time is known."""
+    known = sorted(t for t in step_times if t is not None and t > 0)
+    if steps_lost <= 0 or not known:
+        return 0.0
+    return steps_lost * known[(len(known) - 1) // 2]
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """The job's goodput and its badput buckets at one moment (:func:`goodput_of`)."""
+
+    wall_s: float
+    productive_s: float  # training time less the redone steps' time
+    badput_s: dict[str, float]  # by BADPUT_BUCKETS name; productive_s + their sum = wall_s
+
+    @property
+    def ratio(self) -> float | None:
+        """Productive time / wall time; None before any wall time passed."""
+        return min(1.0, max(0.0, self.productive_s / self.wall_s)) if self.wall_s > 0 else None
+
+
+def goodput_of(
+    goodput: GoodputAccount, stats: JobStats, recovery: RecoveryTracker, waiting_s: float, now: float
+) -> Goodput:
+    """Goodput = (training time - redone steps' time) / wall time, with the rest of the wall time in named
+    buckets that sum to it: the recovery phases of every finished recovery and of the one in progress,
+    the redone steps, the waiting for nodes (``waiting_s``: rounds formed short of the minimum node
+    count, :meth:`master.job.rendezvous.Rendezvous.waiting_time`; taken out of the rendezvous, where it
+    happens) and other."""
+    until = goodput.ended_at if goodput.ended_at is not None else now
+    wall = max(0.0, until - goodput.started_at)
+    training = goodput.training_time(until)
+    phases = dict.fromkeys(PHASES, 0.0)
+    for (phase, _cause), hist in stats.recovery.items():
+        if phase in phases:
+            phases[phase] += hist.total
+    current = recovery.recovery
+    if current is not None:
+        for phase, seconds in current.seconds.items():
+            phases[phase] = phases.get(phase, 0.0) + seconds
+        if goodput.ended_at is None:
+            phases[current.phase] = phases.get(current.phase, 0.0) + max(0.0, until - current.since)
+    out = dict.fromkeys(BADPUT_BUCKETS, 0.0)
+    for phase, bucket in _PHASE_BUCKET.items():
+        out[bucket] = phases.get(phase, 0.0)
+    out["waiting_for_nodes"] = min(waiting_s, out["rendezvous"])
+    out["rendezvous"] -= out["waiting_for_nodes"]
+    redone = min(stats.redone_s, training)
+    out["redone_steps"] = redone
+    named = sum(v for k, v in out.items() if k not in ("other", "redone_steps"))
+    out["other"] = max(0.0, wall - training - named)
+    return Goodput(wall, training - redone, out)

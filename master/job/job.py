@@ -39,7 +39,7 @@ from elastic.control.protocol import (
     WorkerFailure,
 )
 from elastic.exit_codes import ExitCode
-from master.job.accounting import PHASES, GoodputAccount, JobStats, RecoveryTracker, RestartBudget
+from master.job.accounting import PHASES, GoodputAccount, JobStats, RecoveryTracker, RestartBudget, lost_work
 from master.job.errors import (
     BadNodeSecretError,
     DuplicateNodeError,
@@ -590,8 +590,8 @@ class Job:
         cause = cause if running and current is not None and not self.is_check_round(current.number) else None
         expected = set(current.members) if current else set()
         expected &= set(self.nodes)
-        steps = [step for n in expected if (step := self.nodes[n].step) is not None]
-        steps_lost = max(0, max(steps) - (self.committed_step or 0)) if steps and cause else 0
+        members = [self.nodes[n] for n in expected]
+        steps_lost, redone_s = lost_work(members, self.committed_step) if cause else (0, 0.0)
         self.succeeded.clear()
         for node in self.nodes.values():
             node.ckpt_step = None  # checkpoint reports count per round; the committed step stays
@@ -604,7 +604,7 @@ class Job:
             began = now if began_at is None else min(began_at, now)
             self.recovery.verdict(cause, began, now)
             stopped = self.goodput.stopped_event(began if stopped_at is None else stopped_at)
-            data.update(steps_lost=steps_lost, **stopped)
+            data.update(steps_lost=steps_lost, redone_s=round(redone_s, 3), **stopped)
         kind = "restart" if counted else "membership change"
         self.record(
             now,

@@ -179,6 +179,10 @@ class Rendezvous:
         self._pending: set[str] = set()  # expected members not joined yet (kept up to date: O(1) per join)
         self._min_reached_at: float | None = None
         self._growth_since: float | None = None
+        #: Seconds rounds formed with fewer admissible nodes than the minimum (the ``waiting_for_nodes``
+        #: badput, master.job.accounting.goodput_of), and since when the open round does (durable: the sum).
+        self.waiting_s = 0.0
+        self._short_since: float | None = None
 
     # -- queries ----------------------------------------------------------------------------------
     @property
@@ -233,6 +237,11 @@ class Rendezvous:
         since = self._min_reached_at
         end = None if since is None else since + s.last_call_s
         return Standing(len(self._joined), len(self._pending), None, end)
+
+    def waiting_time(self, now: float) -> float:
+        """:attr:`waiting_s`, with the open round's time short of the minimum so far."""
+        since = self._short_since
+        return self.waiting_s + (max(0.0, now - since) if since is not None else 0.0)
 
     # -- transitions ------------------------------------------------------------------------------
     def join(self, candidate: Candidate, now: float) -> None:
@@ -311,6 +320,7 @@ class Rendezvous:
                 "slots": [vars(s) for s in current.slots],
             },
             "joined": [vars(c) for c in self._joined.values()],
+            "waiting_s": round(self.waiting_s, 3),
             # Not "expected": while a round forms it is the previous round's members that are still known
             # (see restore), so storing it would rewrite every member's id at every membership change.
         }
@@ -343,6 +353,7 @@ class Rendezvous:
         self._min_reached_at = None
         self._growth_since = None
         self._close_why = ""  # not stored: the ACTIVE reason just omits it after a takeover
+        self.waiting_s, self._short_since = float(data.get("waiting_s", 0.0)), None
         self._track_min(now)
         self._track_growth(now)
 
@@ -455,8 +466,16 @@ class Rendezvous:
         if self._admissible(len(self._joined)) >= self.settings.min_nodes:
             if self._min_reached_at is None:
                 self._min_reached_at = now
+            self._stop_waiting(now)
         else:
             self._min_reached_at = None
+            if self._short_since is None:
+                self._short_since = now
+
+    def _stop_waiting(self, now: float) -> None:
+        if self._short_since is not None:
+            self.waiting_s += max(0.0, now - self._short_since)
+            self._short_since = None
 
     def _track_growth(self, now: float) -> None:
         if self.phase is not Phase.ACTIVE or self.current is None:
@@ -503,6 +522,7 @@ class Rendezvous:
         self.current = ClosedRound(self.round, tuple(slots), offset, master_addr, master_port, now)
         self.phase = Phase.ACTIVE
         self.opened_at = None
+        self._stop_waiting(now)
         self._expected, self._pending = set(), set()
         self._min_reached_at = None
         self._growth_since = None

@@ -31,6 +31,7 @@ from elastic.control.protocol import (
     StatusEvent,
 )
 from elastic.text import printable
+from master.job.accounting import Goodput, goodput_of
 from master.job.events import Cause, EventKind
 from master.job.rendezvous import Phase, Slot, name_list
 
@@ -39,6 +40,12 @@ Job = Any
 
 #: Events ``/v1/status`` lists (the newest ones).
 STATUS_EVENTS = 20
+
+
+def job_goodput(job: Job, now: float) -> Goodput:
+    """The job's goodput and badput buckets now (master.job.accounting.goodput_of)."""
+    until = job.goodput.ended_at if job.goodput.ended_at is not None else now
+    return goodput_of(job.goodput, job.stats, job.recovery, job.rdzv.waiting_time(until), now)
 
 
 def job_status(job: Job, now: float) -> JobStatus:
@@ -93,6 +100,7 @@ def job_status(job: Job, now: float) -> JobStatus:
         phase = JobPhase.SUCCEEDED if job.outcome.succeeded else JobPhase.FAILED
     else:
         phase = JobPhase.TRAINING if active else JobPhase.RENDEZVOUS
+    figures = job_goodput(job, now)
     return JobStatus(
         job_id=job.settings.job_id,
         master_id=job.master_id,
@@ -106,7 +114,8 @@ def job_status(job: Job, now: float) -> JobStatus:
         committed_step=job.committed_step,
         persisted_step=max((r.persisted_step for r in rows if r.persisted_step is not None), default=None),
         nodes=rows,
-        goodput_ratio=job.goodput.ratio(now),
+        goodput_ratio=figures.ratio,
+        badput_s={k: round(v, 3) for k, v in figures.badput_s.items()},
         waiting_reason=waiting_reason(job, now),
         events=recent_events(job, now),
         crash_loop=job.budget.crash_loop.verdict,

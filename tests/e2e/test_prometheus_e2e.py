@@ -35,12 +35,15 @@ def read_events(path: Path) -> list[dict]:
 
 
 def goodput_from_events(events: list[dict], at: float) -> float:
-    """Goodput at ``at`` recomputed from an event log (docs/observability.md's definition)."""
+    """Goodput at ``at`` recomputed from an event log (docs/observability.md's definition: training time
+    less the redone steps' time, over wall time)."""
     start = next(e["time"] for e in events if e["kind"] == "job_started")
     end = next((e["time"] for e in events if e["kind"] in ("job_succeeded", "job_failed")), None)
     until = min(at, end) if end is not None else at
-    training, since, ended = 0.0, None, None
+    training, since, ended, redone = 0.0, None, None, 0.0
     for event in events:
+        if event["kind"] == "round_opened" and event["time"] <= until:
+            redone += event["data"].get("redone_s", 0.0)  # steps trained again: not productive
         mark = event["data"].get("training")
         if mark == "started" and event["data"]["training_at"] <= until:
             since = event["data"]["training_at"]
@@ -52,7 +55,7 @@ def goodput_from_events(events: list[dict], at: float) -> float:
             ended = event["data"]["training_at"]
     if since is not None:
         training += until - since
-    return training / (until - start)
+    return (training - min(redone, training)) / (until - start)
 
 
 class Prometheus:

@@ -18,11 +18,12 @@ from tools import require_tool
 
 from elastic.control.client import MasterClient
 from elastic.control.job_settings import JobSettings
-from elastic.control.protocol import HeartbeatRequest, JoinRequest, NodeState, WorkerFailure
+from elastic.control.protocol import HeartbeatRequest, JoinRequest, NodeState, WorkerFailure, WorkerProgress
 from master.http.serving import EmbeddedMaster
-from master.job.accounting import GoodputAccount, RecoveryTracker
+from master.job.accounting import BADPUT_BUCKETS, GoodputAccount, RecoveryTracker, redone_seconds
 from master.job.events import Event
 from master.job.job import Job
+from master.job.views import job_goodput
 from master.service.event_log import EventLog
 from master.service.settings import ServerSettings
 
@@ -193,6 +194,68 @@ def test_a_worker_failure_yields_phases_goodput_and_lifetime_totals_from_events(
     assert again.goodput.ratio(T0 + 40) == pytest.approx(job.goodput.ratio(T0 + 40))
     assert [e.seq for e in again.events][-2:] == [job.event_count, job.event_count + 1]
     assert again.events[-1].kind == "master_takeover"
+
+
+def test_badput_buckets_name_the_redone_steps_and_the_wait_for_nodes_and_sum_to_the_wall_time() -> None:
+    job = make_job()
+    join(job, T0 + 1, "a", "b")
+    job.tick(T0 + 2)  # closes round 1
+    progress = [WorkerProgress(local_rank=0, step=10, step_time_s=0.5)]
+    for node in ("a", "b"):
+        beat(
+            job, node, T0 + 6, workers_started_age_s=3.0, first_step_age_s=1.0, workers=progress, ckpt_step=8
+        )
+    failure = WorkerFailure(rank=1, local_rank=0, exit_code=1, age_s=0.5)
+    beat(job, "b", T0 + 20, state=NodeState.FAILED, failure=failure, workers=progress, ckpt_step=8)
+    opened = of_kind(job, "round_opened")[-1]
+    assert opened.data["steps_lost"] == 2, "trained to step 10, committed 8"
+    assert opened.data["redone_s"] == pytest.approx(2 * 0.5), "at the members' step time"
+    join(job, T0 + 21, "a")
+    join(job, T0 + 23, "b")  # short of the minimum of 2 from the round's opening at T0 + 20 until now
+    job.tick(T0 + 23)
+    closed = of_kind(job, "round_closed")[-1].at
+    train(job, ("a", "b"), started=closed + 1, stepped=closed + 2, now=closed + 3)
+    assert of_kind(job, "first_step")[-1].cause == "worker_failure"
+    now = closed + 10
+    figures = job_goodput(job, now)
+    wall = now - T0
+    training = job.goodput.training_time(now)
+    assert figures.wall_s == pytest.approx(wall)
+    assert figures.productive_s == pytest.approx(training - 1.0)
+    assert figures.ratio == pytest.approx((training - 1.0) / wall)
+    buckets = figures.badput_s
+    assert list(buckets) == list(BADPUT_BUCKETS)
+    assert buckets["redone_steps"] == pytest.approx(1.0)
+    assert buckets["waiting_for_nodes"] == pytest.approx(3.0), "from the round's opening to b's join"
+    assert buckets["detection"] == pytest.approx(0.5)
+    assert buckets["rendezvous"] == pytest.approx(closed - (T0 + 20) - 3.0)
+    assert buckets["re_form"] == pytest.approx(1.0) and buckets["restore"] == pytest.approx(1.0)
+    assert figures.productive_s + sum(buckets.values()) == pytest.approx(wall)
+    status = job.status(now)
+    assert status.goodput_ratio == pytest.approx(figures.ratio)
+    assert status.badput_s["redone_steps"] == pytest.approx(1.0)
+    again = Job.restore(job.settings, json.loads(json.dumps(job.snapshot())), now)
+    restored = job_goodput(again, now)
+    assert restored.badput_s["redone_steps"] == pytest.approx(1.0)
+    assert restored.badput_s["waiting_for_nodes"] == pytest.approx(3.0)
+
+
+def test_a_recovery_in_progress_counts_in_its_phase_so_far() -> None:
+    job = make_job()
+    join(job, T0, "a", "b")
+    job.tick(T0 + 0.1)
+    train(job, ("a", "b"), started=T0 + 0.5, stepped=T0 + 1.0, now=T0 + 1.0)
+    beat(job, "a", T0 + 5.5)
+    job.tick(T0 + 5.5)  # b's last heartbeat was at T0 + 1.0: dead, a round opens
+    figures = job_goodput(job, T0 + 8.0)
+    assert figures.badput_s["detection"] == pytest.approx(4.5)
+    assert figures.badput_s["rendezvous"] + figures.badput_s["waiting_for_nodes"] == pytest.approx(2.5)
+    assert figures.productive_s + sum(figures.badput_s.values()) == pytest.approx(8.0)
+
+
+def test_redone_seconds_use_the_lower_median_of_the_known_step_times() -> None:
+    assert redone_seconds(3, [None, 0.2, 0.4, 0.3, 0.9]) == pytest.approx(3 * 0.3)
+    assert redone_seconds(3, [None]) == 0.0 and redone_seconds(0, [0.5]) == 0.0
 
 
 def test_a_lost_node_is_detected_from_its_last_heartbeat() -> None:
@@ -383,6 +446,9 @@ def test_metrics_need_the_token_and_expose_the_job(tmp_path) -> None:
             assert name in families, sorted(families)
         leader = families["elastic_master_leader"].samples[0]
         assert leader.labels["job_id"] == "obs-metrics" and leader.value == 1.0
+        badput = {s.labels["bucket"]: s.value for s in families["elastic_badput_seconds"].samples}
+        assert list(badput) == list(BADPUT_BUCKETS), "every bucket from the start, each a counter"
+        assert badput["other"] > 0, "the job's start-up, before any round"
         lines = log_path.read_text().splitlines()
         assert json.loads(lines[0])["kind"] == "job_started"
     finally:
