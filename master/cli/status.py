@@ -77,8 +77,9 @@ def render_status(job: JobStatus) -> str:
         if node.readmit_in_s is not None
     ]
     reason = [f"round {job.round}: {job.waiting_reason}"] if job.waiting_reason else []
+    lost = [f"goodput {_goodput_text(job)}; {text}"] if (text := _badput_text(job)) else []
     # Summaries, errors and verdicts quote what nodes and workers sent: one line each, no terminal escapes.
-    lines = [head, *lines, *checks, *persist, *filter(None, replication), *excluded, *reason]
+    lines = [head, *lines, *checks, *persist, *filter(None, replication), *excluded, *reason, *lost]
     return "\n".join(printable(line) for line in lines)
 
 
@@ -170,6 +171,14 @@ def _goodput_text(job: JobStatus) -> str:
     return "-" if ratio is None else f"{ratio:.1%}"
 
 
+def _badput_text(job: JobStatus) -> str:
+    """Where the time that was not productive went, largest bucket first ('' when none yet)."""
+    buckets = sorted(((v, k) for k, v in getattr(job, "badput_s", {}).items() if v >= 0.05), reverse=True)
+    if not buckets:
+        return ""
+    return "lost: " + ", ".join(f"{name.replace('_', ' ')} {seconds:.1f}s" for seconds, name in buckets)
+
+
 def _state_style(node: NodeStatus) -> str:
     if node.state in ("failed", "excluded"):
         return "red"
@@ -188,6 +197,8 @@ def render_watch(job: JobStatus, *, max_nodes: int = 50, footer: str = "") -> Re
         f"restarts {job.restart_count}/{job.max_restarts}, goodput {_goodput_text(job)}"
     )
     lines: list[RenderableType] = [head, _text(f"checkpoint: {_checkpoint_text(job)}")]
+    if badput := _badput_text(job):
+        lines.append(_text(badput))
     if job.outcome is not None:
         style = "green" if job.outcome.succeeded else "red"
         lines.append(_text(f"outcome: {job.outcome.summary} (exit {job.outcome.exit_code})", style))

@@ -57,3 +57,23 @@ def test_the_status_table_shows_step_time_and_flags_and_the_check_figures():
     assert rows[2].split() == ["c", "-", "excluded", "0.3s", "0", "2", "-", "-", "check-failed"]
     assert rows[3] == "node check a: ok; matmul 10.0 ms on cpu, allreduce 2.0 ms"
     assert rows[4] == "node check c: failed: check failed at matmul: boom; no figures"
+
+
+def test_the_status_names_where_the_lost_time_went_largest_first():
+    job = JobStatus(
+        job_id="j",
+        master_id="m",
+        phase="training",
+        round=3,
+        world_size=1,
+        nnodes=1,
+        restart_count=1,
+        max_restarts=3,
+        nodes=[],
+        goodput_ratio=0.9,
+        badput_s={"detection": 0.5, "rendezvous": 2.25, "re_form": 0.0, "redone_steps": 1.0, "other": 0.01},
+    )
+    assert render_status(job).splitlines()[-1] == (
+        "goodput 90.0%; lost: rendezvous 2.2s, redone steps 1.0s, detection 0.5s"
+    )
+    assert "lost:" not in render_status(job.model_copy(update={"badput_s": {}}))
