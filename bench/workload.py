@@ -59,6 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--pg-timeout", type=float, default=0, help="process group timeout in seconds (0: torch's default)"
     )
+    p.add_argument(
+        "--state-mb",
+        type=float,
+        default=0,
+        help="in-process mode: this many MB of extra state beside the model (replicated, committed each "
+        "step, sent to a joining rank), as a large model's would be (default: none)",
+    )
     return p.parse_args(argv)
 
 
@@ -190,11 +197,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class Ballast:
+    """``--state-mb`` of state that training does not touch: what the in-process recovery moves for a large
+    model (each commit copies it, a joining rank receives it). Deterministic: every rank's is equal."""
+
+    def __init__(self, megabytes: float) -> None:
+        self.tensor = torch.full((int(megabytes * 1e6) // 4,), 0.5)  # written: its pages are in memory
+
+    def state_dict(self) -> dict:
+        return {"tensor": self.tensor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tensor.copy_(state["tensor"])
+
+
 def run_inprocess(args: argparse.Namespace, ckpt_dir: Path, state: dict | None) -> int:
     """The training loop inside ``elastic.run``: this process lives on when a peer or a node is lost."""
     import elastic  # here only: the normal mode runs under torchrun, without the package
 
     model, optimizer = build(args, state)
+    states: dict = {"model": model, "optimizer": optimizer}
+    if args.state_mb:
+        states["ballast"] = Ballast(args.state_mb)
 
     def train(world: elastic.World) -> int:
         # elastic.run updated the environment for this round (TORCHELASTIC_RESTART_COUNT included).
@@ -214,7 +238,7 @@ def run_inprocess(args: argparse.Namespace, ckpt_dir: Path, state: dict | None) 
         return step
 
     try:
-        elastic.run(train, {"model": model, "optimizer": optimizer}, step=int(state["step"]) if state else 0)
+        elastic.run(train, states, step=int(state["step"]) if state else 0)
     finally:
         elastic.destroy_process_group()
     return 0

@@ -54,6 +54,28 @@ def _copy_into(buffer: Any, value: Any) -> Any:
     return copy.deepcopy(value)
 
 
+def _refill(value: Any, live: Any) -> Any:
+    """``value`` (a committed copy) with each tensor copied into the tensor at the same place of ``live``
+    (the object's current state) when shape, dtype and layout match, else cloned; other values copied."""
+    if isinstance(value, torch.Tensor):
+        if (
+            isinstance(live, torch.Tensor)
+            and live.shape == value.shape
+            and live.dtype == value.dtype
+            and live.layout == value.layout == torch.strided
+        ):
+            return live.detach().copy_(value)
+        return _clone(value)
+    if isinstance(value, Mapping):
+        mine = live if isinstance(live, Mapping) else {}
+        return {k: _refill(v, mine.get(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        same = isinstance(live, list | tuple) and len(live) == len(value)
+        parts = [_refill(v, live[i] if same else None) for i, v in enumerate(value)]
+        return parts if isinstance(value, list) else tuple(parts)
+    return copy.deepcopy(value)
+
+
 def _clone(value: Any) -> Any:
     """A deep copy whose tensors share no storage with ``value`` (what ``load_state_dict`` may keep)."""
     return _copy_into(None, value)
@@ -82,9 +104,12 @@ class Committed:
         self.step, self.fresh = step, fresh
 
     def restore(self) -> None:
-        """Put the committed state back into the objects (undoing a step that broke half-way)."""
+        """Put the committed state back into the objects (undoing a step that broke half-way): copied into
+        their own tensors where shapes match (no new memory: a clone of 1 GB of state into fresh pages took
+        most of a large model's re-formation), cloned elsewhere; never the committed buffers themselves,
+        which an object may keep (an optimizer does) and the next commit overwrites."""
         for name, obj in self.objects.items():
-            obj.load_state_dict(_clone(self._states[name]))
+            obj.load_state_dict(_refill(self._states[name], obj.state_dict()))
         if self._rng is not None:
             torch.set_rng_state(self._rng[0])
             random.setstate(self._rng[1])
@@ -133,9 +158,115 @@ def agree(committed: Committed) -> Agreement:
     decided = plan([(int(step), bool(fresh)) for step, fresh in reports])
     if decided.source is not None:
         rank = dist.get_rank()
-        box: list[Any] = [committed.payload() if rank == decided.source else None]
-        dist.broadcast_object_list(box, src=decided.source)
-        if rank in decided.receivers:
-            committed.adopt(box[0])
+        if rank == decided.source:
+            send_state(committed, decided.receivers)
+        else:
+            receive_state(committed, decided.source, rank in decided.receivers)
     committed.fresh = False
     return decided
+
+
+# -- sending the committed state to the ranks that lack it ----------------------------------------------
+# Over gloo the state's tensors go one by one, point to point, from the sender's committed copy straight
+# into the receiver's live tensors where their shapes match (memory it has touched already), and only their
+# layout (the state without its tensors) is pickled: 1 GB of state moves in about what loopback TCP takes
+# for it. The whole state pickled into one object (torch.save into bytes, pickled again by
+# broadcast_object_list, unpickled, torch.load, then load_state_dict) made five copies of it, each into
+# fresh memory. Other backends (NCCL sends device tensors only) and tensors that are not plain strided ones
+# (sparse, nested) take that one-object path.
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor's place in the sent state: its position in the order the tensors are sent."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _split(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with each tensor replaced by a :class:`_Slot`; the tensors appended to ``tensors``."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
+    if isinstance(value, Mapping):
+        return {k: _split(v, tensors) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        parts = [_split(v, tensors) for v in value]
+        return parts if isinstance(value, list) else tuple(parts)
+    return value
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous CPU ``tensor`` as a flat uint8 view of it (a view: receiving into it fills
+    the tensor)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _by_tensors() -> bool:
+    return dist.get_backend() == "gloo"
+
+
+def send_state(committed: Committed, receivers: Sequence[int]) -> None:
+    """The sender's side of :func:`agree`: its committed state to every rank of ``receivers``."""
+    tensors: list[torch.Tensor] = []
+    layout = _split({"step": committed.step, "states": committed._states}, tensors)
+    if not _by_tensors() or any(t.layout != torch.strided for t in tensors):
+        dist.broadcast_object_list([("payload", committed.payload())], src=dist.get_rank())
+        return
+    dist.broadcast_object_list([("tensors", layout)], src=dist.get_rank())
+    raw = [_raw(t.contiguous()) for t in tensors]
+    for rank in receivers:
+        for part in raw:
+            if part.numel():
+                dist.send(part, rank)
+
+
+def receive_state(committed: Committed, source: int, receiving: bool) -> None:
+    """A non-sender's side of :func:`agree`: with ``receiving``, take the sender's committed state as this
+    process's (into its objects, then its committed copy; its RNG state stays its own)."""
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=source)
+    if not receiving:
+        return
+    kind, data = box[0]
+    if kind == "payload":
+        committed.adopt(data)
+        return
+    live = {name: obj.state_dict() for name, obj in committed.objects.items()}
+    # Everything is received before anything is loaded: a load that fails (a model built differently)
+    # fails this rank alone, never the sender in the middle of its sends.
+    filled = {name: _receive(wanted, live.get(name), source) for name, wanted in data["states"].items()}
+    for name, obj in committed.objects.items():
+        if name in filled:
+            obj.load_state_dict(filled[name])
+    committed.take(int(data["step"]))
+
+
+def _receive(wanted: Any, live: Any, source: int) -> Any:
+    """``wanted`` (a layout from :func:`_split`) with its tensors received from ``source`` in order, each
+    into the tensor at the same place of ``live`` (this process's state) when it fits, else a new one."""
+    if isinstance(wanted, _Slot):
+        fits = (
+            isinstance(live, torch.Tensor)
+            and tuple(live.shape) == wanted.shape
+            and live.dtype == wanted.dtype
+            and live.device.type == "cpu"
+            and live.layout == torch.strided
+            and live.is_contiguous()
+        )
+        target = live.detach() if fits else torch.empty(wanted.shape, dtype=wanted.dtype)
+        if target.numel():
+            dist.recv(_raw(target), source)
+        return target
+    if isinstance(wanted, Mapping):
+        mine = live if isinstance(live, Mapping) else {}
+        return {k: _receive(v, mine.get(k), source) for k, v in wanted.items()}
+    if isinstance(wanted, list | tuple):
+        mine_seq = (
+            live if isinstance(live, list | tuple) and len(live) == len(wanted) else [None] * len(wanted)
+        )
+        parts = [_receive(v, m, source) for v, m in zip(wanted, mine_seq, strict=True)]
+        return parts if isinstance(wanted, list) else tuple(parts)
+    return wanted

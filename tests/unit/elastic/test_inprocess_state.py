@@ -57,6 +57,22 @@ def test_training_after_a_restore_does_not_change_the_committed_copy() -> None:
     assert torch.equal(optimizer.state_dict()["state"][0]["momentum_buffer"], momentum)
 
 
+def test_restore_copies_into_the_objects_own_tensors_and_clones_what_does_not_fit() -> None:
+    model, optimizer, sampler = make()
+    train_step(model, optimizer, sampler)
+    committed = Committed({"model": model, "optimizer": optimizer, "sampler": sampler}, step=1)
+    storages = [t.untyped_storage().data_ptr() for t in model.state_dict().values()]
+    momentum = optimizer.state_dict()["state"][0]["momentum_buffer"]
+    train_step(model, optimizer, sampler)
+    committed.restore()
+    assert [t.untyped_storage().data_ptr() for t in model.state_dict().values()] == storages, "no new memory"
+    assert optimizer.state_dict()["state"][0]["momentum_buffer"].data_ptr() == momentum.data_ptr()
+    optimizer.state.clear()  # the live state lacks what was committed: it gets copies
+    committed.restore()
+    restored = optimizer.state_dict()["state"][0]["momentum_buffer"]
+    assert torch.equal(restored, momentum) and restored.data_ptr() != momentum.data_ptr()
+
+
 def test_a_peer_payload_is_adopted_without_its_rng() -> None:
     model, optimizer, sampler = make()
     for _ in range(3):
