@@ -12,9 +12,10 @@ log (bench/chaos.py; the log format is bench/chaos_train.py's).
   a later round resumed from an earlier step. Redone steps that were not saved everywhere are badput, not
   lost.
 * **Badput buckets**: the master's recovery phases (``first_step`` events of ``--event-log``:
-  ``detect`` -> detection, ``rendezvous`` -> rendezvous, ``restart`` -> re-form, ``first_step`` ->
-  restore), the redone steps at the fault-free step time, the time below the minimum node count
-  (waiting for nodes, taken out of rendezvous) and the rest (other). They sum to the wall time.
+  ``detect`` -> detection (not a scale-up's: the world trains while the joined node waits),
+  ``rendezvous`` -> rendezvous, ``restart`` -> re-form, ``first_step`` -> restore), the redone steps at
+  the fault-free step time, the time below the minimum node count (waiting for nodes, taken out of
+  rendezvous) and the rest (other). They sum to the wall time.
 """
 
 from __future__ import annotations
@@ -198,7 +199,9 @@ def read_phases(paths: list[Path]) -> dict[str, float]:
                 continue
             seen.add(key)
             for phase, value in event["durations"].items():
-                if phase in total:
+                # A scale-up's detection (a joined node waiting for the last call) is no lost time: the
+                # world trains until the verdict (master.job.accounting.goodput_of leaves it out too).
+                if phase in total and not (phase == "detect" and event.get("cause") == "scale_up"):
                     total[phase] += float(value)
     return total
 

@@ -277,6 +277,10 @@ class InProcessSteps:
                     log.warning("local rank %d (pid %d) is gone before its resume", r, pids[r])
             new_pids = [pids[r] for r in spawned]
         else:
+            # Nothing is kept: end what is left first. A worker that died while it was asked to leave its
+            # step settles the pause at once (it is gone), before its watcher has reaped it; starting over
+            # it failed with "workers still running" and ended the agent.
+            self.group.stop()
             self.group.start(spec, on_exit=on_exit)
             pids = new_pids = list(self.group.pids)
         returned = time.monotonic()

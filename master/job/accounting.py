@@ -644,6 +644,13 @@ def lost_work(members: Iterable[NodeInfo], committed_step: int | None) -> tuple[
     return lost, redone_seconds(lost, (m.step_time_s for m in members))
 
 
+def _trained_through(phase: str, cause: str) -> bool:
+    """Whether the world kept training during ``phase`` of a recovery of ``cause``: a scale-up's detection
+    runs from the waiting node's join to the verdict, while the members train (their training stops at
+    the verdict), so it is no lost time."""
+    return phase == "detect" and cause == Cause.SCALE_UP
+
+
 def redone_seconds(steps_lost: int, step_times: Iterable[float | None]) -> float:
     """The time of ``steps_lost`` steps at the members' step time (the lower median of those known; the
     node is as slow as its slowest worker); 0 when no step time is known."""
@@ -679,14 +686,15 @@ def goodput_of(
     wall = max(0.0, until - goodput.started_at)
     training = goodput.training_time(until)
     phases = dict.fromkeys(PHASES, 0.0)
-    for (phase, _cause), hist in stats.recovery.items():
-        if phase in phases:
+    for (phase, cause), hist in stats.recovery.items():
+        if phase in phases and not _trained_through(phase, cause):
             phases[phase] += hist.total
     current = recovery.recovery
     if current is not None:
         for phase, seconds in current.seconds.items():
-            phases[phase] = phases.get(phase, 0.0) + seconds
-        if goodput.ended_at is None:
+            if not _trained_through(phase, current.cause):
+                phases[phase] = phases.get(phase, 0.0) + seconds
+        if goodput.ended_at is None and not _trained_through(current.phase, current.cause):
             phases[current.phase] = phases.get(current.phase, 0.0) + max(0.0, until - current.since)
     out = dict.fromkeys(BADPUT_BUCKETS, 0.0)
     for phase, bucket in _PHASE_BUCKET.items():

@@ -14,6 +14,7 @@ import pytest
 from bench_runs import run_bench
 
 from bench.chaos_schedule import CHEAP_KINDS, ROOT_KINDS, as_json, schedule
+from master.job.accounting import BADPUT_BUCKETS
 
 SEED = 7
 INTERVAL = 10
@@ -39,6 +40,7 @@ def test_chaos_short_run_passes_its_final_check(tmp_path: Path, mode: str) -> No
     assert result["faults_by_kind"] == dict.fromkeys(sorted(CHEAP_KINDS), 1), why
     assert result["exit_ok"] and result["samples_exactly_once"] and result["weights_equal"], why
     assert result["leaked"] == 0, why
+    assert list(result["master_badput_s"]) == list(BADPUT_BUCKETS), "the master's buckets on /metrics"
     assert proc.returncode == 0, why
     assert not left, f"processes left behind by bench/chaos.py: {left}"
 

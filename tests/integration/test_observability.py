@@ -20,7 +20,15 @@ from elastic.control.client import MasterClient
 from elastic.control.job_settings import JobSettings
 from elastic.control.protocol import HeartbeatRequest, JoinRequest, NodeState, WorkerFailure, WorkerProgress
 from master.http.serving import EmbeddedMaster
-from master.job.accounting import BADPUT_BUCKETS, GoodputAccount, RecoveryTracker, redone_seconds
+from master.job.accounting import (
+    BADPUT_BUCKETS,
+    GoodputAccount,
+    Histogram,
+    JobStats,
+    RecoveryTracker,
+    goodput_of,
+    redone_seconds,
+)
 from master.job.events import Event
 from master.job.job import Job
 from master.job.views import job_goodput
@@ -251,6 +259,20 @@ def test_a_recovery_in_progress_counts_in_its_phase_so_far() -> None:
     assert figures.badput_s["detection"] == pytest.approx(4.5)
     assert figures.badput_s["rendezvous"] + figures.badput_s["waiting_for_nodes"] == pytest.approx(2.5)
     assert figures.productive_s + sum(figures.badput_s.values()) == pytest.approx(8.0)
+
+
+def test_a_scale_ups_detection_is_no_badput_the_world_trained_through_it() -> None:
+    stats = JobStats()
+    for cause, seconds in (("scale_up", 5.0), ("node_loss", 2.0)):
+        hist = Histogram()
+        hist.observe(seconds)
+        stats.recovery[("detect", cause)] = hist
+    account = GoodputAccount(started_at=0.0)
+    account.start(0.0)
+    account.stop(90.0)
+    figures = goodput_of(account, stats, RecoveryTracker(), 0.0, 100.0)
+    assert figures.badput_s["detection"] == 2.0, "the members trained while the joined node waited"
+    assert figures.productive_s + sum(figures.badput_s.values()) == pytest.approx(100.0)
 
 
 def test_redone_seconds_use_the_lower_median_of_the_known_step_times() -> None:
