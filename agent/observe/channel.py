@@ -18,7 +18,7 @@ global hook) advance the step as ``step`` reports do, until the rank sends its f
 report (``elastic.report``): from then on explicit steps win and ``auto`` reports are only signs of life.
 ``life`` (a forward pass), ``save``/``saved`` (a checkpoint save's start and end) feed the adaptive hang
 bound (:mod:`agent.observe.hang_policy`): when each rank last showed life, whether a save is in progress,
-and its recent step durations (:data:`DURATION_WINDOW`, intervals that contain a save left out).
+and its recent step durations (:data:`DURATION_WINDOW`, without the time of the saves between steps).
 
 Workers send checkpoint reports with a blocking send (see :mod:`elastic.report`): while this thread
 is stalled they wait in the kernel's queue instead of being dropped.
@@ -65,7 +65,8 @@ class RankProgress:
     first_step_at: float | None = None
     #: The rank sent an explicit step report (elastic.report): its ``auto`` reports no longer count as steps.
     explicit: bool = False
-    #: Step durations for the adaptive hang bound (the first step and intervals with a save left out).
+    #: Step durations for the adaptive hang bound: the first step left out, and from an interval that
+    #: contains a save the save's time (an interval whose save had not ended at the next step: all of it).
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=DURATION_WINDOW))
     #: The last sign of life (a forward pass, or an optimizer step of a rank whose explicit steps win).
     alive_at: float | None = None
@@ -73,8 +74,10 @@ class RankProgress:
     saving_since: float | None = None
     #: The last checkpoint save ended then.
     resumed_at: float | None = None
-    #: The interval since the last step contains a save: its duration is not a step time.
+    #: The interval since the last step is no step time (the first explicit report: the count restarts).
     interrupted: bool = False
+    #: Seconds of checkpoint saves that began and ended since the last step (not step time).
+    saved_s: float = 0.0
 
     @property
     def step_time_s(self) -> float | None:
@@ -248,10 +251,13 @@ class ProgressChannel:
                     if progress.step is not None:
                         duration = (now - progress.advanced_at) / (step - progress.step)
                         progress.step_times.append(duration)
-                        if not progress.interrupted:
-                            progress.durations.append(duration)
+                        # A job that flash-saves every step has a save in every interval: leaving those
+                        # intervals out, as before, kept its window empty and its bound at the fallback.
+                        if not progress.interrupted and progress.saving_since is None:
+                            working = now - progress.advanced_at - progress.saved_s
+                            progress.durations.append(max(working, 0.0) / (step - progress.step))
                     progress.step, progress.advanced_at = step, now
-                    progress.interrupted, progress.saving_since = False, None
+                    progress.interrupted, progress.saving_since, progress.saved_s = False, None, 0.0
                     if progress.first_step_at is None:
                         progress.first_step_at = now
                     if compute is not None and compute >= 0:
@@ -259,17 +265,23 @@ class ProgressChannel:
             elif kind is ProgressKind.LIFE:
                 progress.alive_at = now
             elif kind is ProgressKind.SAVE:
-                progress.saving_since, progress.interrupted = now, True
+                progress.saving_since = now
             elif kind is ProgressKind.SAVED:
-                progress.saving_since, progress.resumed_at = None, now
+                _end_save(progress, now)
             elif kind is ProgressKind.CKPT:
-                if progress.saving_since is not None:  # elastic.save's report ends its save
-                    progress.saving_since, progress.resumed_at = None, now
+                _end_save(progress, now)  # elastic.save's report ends its save
                 if progress.ckpt_step is None or step > progress.ckpt_step:
                     progress.ckpt_step = step
             elif kind is ProgressKind.DONE:
                 progress.done = True
         return True
+
+
+def _end_save(progress: RankProgress, now: float) -> None:
+    """A checkpoint save in progress ended at ``now``: its time is no step time."""
+    if progress.saving_since is not None:
+        progress.saved_s += max(now - progress.saving_since, 0.0)
+        progress.saving_since, progress.resumed_at = None, now
 
 
 # -- the checkpoint-save histogram: filled on the channel's thread, read when Prometheus scrapes -----------

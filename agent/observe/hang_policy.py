@@ -17,8 +17,9 @@ durations are known. What counts, exactly:
   worker that runs neither forward passes nor optimizer steps (a Python loop, a stuck collective) is.
 * **Checkpoint saves.** From a save's start (``save`` report: ``elastic.save``, ``torch.save``) to its end
   (``saved`` or ``ckpt`` report, or the next step) only the fallback bound applies, measured from the
-  save's start; the interval of steps that contains a save adds no duration to the window, and the idle
-  clock restarts at the save's end.
+  save's start; the save's time is taken out of the duration of the interval that contains it (an
+  interval whose save had not ended by the next step adds none: before this, no interval with a save did,
+  so a job that flash-saves every step never warmed up), and the idle clock restarts at the save's end.
 * **Warm-up.** Before W durations are known (the first steps, a slow compilation) only the fallback bound
   applies: :data:`agent.settings.DEFAULT_HANG_TIMEOUT_S` (600 s), the timeout of releases before this one.
 * Workers without any step are judged on their process state only (stopped or in disk sleep for the

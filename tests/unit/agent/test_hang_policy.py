@@ -111,6 +111,7 @@ def test_forward_passes_extend_the_deadline_and_a_loop_without_them_is_hung(chan
 
 
 def test_a_checkpoint_save_suspends_the_bound_until_it_ends_and_adds_no_duration(channel) -> None:
+    # (Its time is taken out of the interval that contains it: the step's own work stays a duration.)
     last = replay(channel, [0.05] * 20, kind=STEP)
     channel.record(0, ProgressKind.SAVE, 21, now=last + 0.01)
     assert hung(channel, last + 60.0) == []  # a 60 s save (to slow storage)
@@ -120,6 +121,21 @@ def test_a_checkpoint_save_suspends_the_bound_until_it_ends_and_adds_no_duration
     assert hung(channel, last + 60.0 + DEFAULT_POLICY.floor_s)
     channel.record(0, STEP, 22, now=last + 60.05)
     assert max(channel.snapshot()[0].durations) < 1.0  # the interval with the save is not a step time
+
+
+def test_a_job_that_saves_every_step_warms_up_on_its_steps_without_the_saves(channel) -> None:
+    now = 100.0
+    channel.record(0, STEP, 1, now=now)
+    for step in range(2, 40):  # each step: 0.15 s of work, then a 0.05 s flash save
+        channel.record(0, ProgressKind.SAVE, step - 1, now=now + 0.15)
+        channel.record(0, ProgressKind.CKPT, step - 1, now=now + 0.20)
+        now += 0.20
+        channel.record(0, STEP, step, now=now)
+    durations = list(channel.snapshot()[0].durations)
+    assert len(durations) == 38 and max(durations) == pytest.approx(0.15)
+    limit = verdict_limit(RankClock(now, tuple(durations)))
+    assert limit is not None and limit.adaptive and limit.limit_s == DEFAULT_POLICY.floor_s
+    assert hung(channel, now + DEFAULT_POLICY.floor_s), "a hang between saves: the adaptive bound"
 
 
 def test_explicit_steps_win_over_the_optimizer_hook_count(channel) -> None:
