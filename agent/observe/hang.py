@@ -38,7 +38,13 @@ from dataclasses import dataclass
 import psutil
 
 from agent.observe.channel import RankProgress
-from agent.observe.hang_policy import DEFAULT_POLICY, AdaptiveHangPolicy, RankClock, verdict_limit
+from agent.observe.hang_policy import (
+    DEFAULT_POLICY,
+    AdaptiveHangPolicy,
+    RankClock,
+    adaptive_bound,
+    verdict_limit,
+)
 
 STOPPED_STATES = frozenset({psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP})
 STUCK_STATES = STOPPED_STATES | {psutil.STATUS_DISK_SLEEP}
@@ -57,6 +63,9 @@ class WorkerObservation:
     limit_s: float | None = None
     #: How ``limit_s`` was chosen, for the verdict's reason (e.g. ``adaptive bound 2s = max(...)``).
     rule: str = ""
+    #: The limit for a *stopped* process when it differs from ``limit_s``: the adaptive bound also during a
+    #: checkpoint save (a stopped process saves nothing; a save may legitimately sleep on disk, not stop).
+    stopped_limit_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,8 @@ def hung_workers(now: float, timeout_s: float, observations: Iterable[WorkerObse
         limit_s = o.limit_s if o.limit_s is not None else timeout_s
         stuck_s = now - o.stuck_since if o.status in STUCK_STATES and o.stuck_since is not None else None
         idle_s = now - o.advanced_at if o.step is not None else None
+        if o.status in STOPPED_STATES and o.stopped_limit_s is not None:
+            limit_s = o.stopped_limit_s
         stuck = stuck_s is not None and stuck_s >= limit_s
         idle = idle_s is not None and idle_s >= limit_s
         if not (stuck or idle):
@@ -174,12 +185,17 @@ def observe_progress(
     """One worker's observation from its progress; with ``adaptive``, its own limit (the adaptive rule)."""
     step = p.step if p is not None and not p.done else None
     advanced_at = p.advanced_at if p is not None else now
-    limit_s, rule = None, ""
+    limit_s, rule, stopped_limit_s = None, "", None
     if adaptive is not None and p is not None and step is not None:
         limit = verdict_limit(_clock(p), adaptive)
         if limit is not None:
             advanced_at, limit_s, rule = limit.since, limit.limit_s, limit.rule
-    return WorkerObservation(local_rank, step, advanced_at, status, stuck_since, limit_s, rule)
+        bound = adaptive_bound(p.durations, adaptive)
+        if limit is not None and not limit.adaptive and bound is not None:
+            stopped_limit_s = bound  # a save in progress: a stopped process still gets the bound
+    return WorkerObservation(
+        local_rank, step, advanced_at, status, stuck_since, limit_s, rule, stopped_limit_s
+    )
 
 
 def _clock(p: RankProgress) -> RankClock:

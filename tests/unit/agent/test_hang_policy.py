@@ -138,6 +138,16 @@ def test_a_job_that_saves_every_step_warms_up_on_its_steps_without_the_saves(cha
     assert hung(channel, now + DEFAULT_POLICY.floor_s), "a hang between saves: the adaptive bound"
 
 
+def test_a_process_stopped_during_a_save_gets_the_adaptive_bound_and_disk_sleep_the_fallback(channel) -> None:
+    last = replay(channel, [0.05] * 20, kind=STEP)
+    channel.record(0, ProgressKind.SAVE, 21, now=last + 0.01)
+    stopped_at = last + 0.02
+    past_bound = stopped_at + DEFAULT_POLICY.floor_s + 0.01
+    (verdict,) = hung(channel, past_bound, psutil.STATUS_STOPPED, stuck_since=stopped_at)
+    assert verdict.cause == "stopped", "a stopped process saves nothing"
+    assert hung(channel, past_bound, psutil.STATUS_DISK_SLEEP, stuck_since=stopped_at) == []  # a slow write
+
+
 def test_explicit_steps_win_over_the_optimizer_hook_count(channel) -> None:
     channel.record(0, AUTO, 1, now=10.0)  # the optimizer stepped before the script reported
     channel.record(0, STEP, 1001, now=10.01)  # a resumed run
