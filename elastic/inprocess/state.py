@@ -212,11 +212,16 @@ def send_state(committed: Committed, receivers: Sequence[int]) -> None:
     """The sender's side of :func:`agree`: its committed state to every rank of ``receivers``."""
     tensors: list[torch.Tensor] = []
     layout = _split({"step": committed.step, "states": committed._states}, tensors)
-    if not _by_tensors() or any(t.layout != torch.strided for t in tensors):
+    raw: list[torch.Tensor] | None = None
+    if _by_tensors() and all(t.layout == torch.strided and t.device.type == "cpu" for t in tensors):
+        try:
+            raw = [_raw(t.contiguous()) for t in tensors]
+        except RuntimeError:  # a dtype whose bytes cannot be viewed (quantized): the one-object path
+            raw = None
+    if raw is None:
         dist.broadcast_object_list([("payload", committed.payload())], src=dist.get_rank())
         return
     dist.broadcast_object_list([("tensors", layout)], src=dist.get_rank())
-    raw = [_raw(t.contiguous()) for t in tensors]
     for rank in receivers:
         for part in raw:
             if part.numel():
