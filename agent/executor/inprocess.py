@@ -261,6 +261,13 @@ class InProcessSteps:
         self._pause = None
         self.hub.forget(self.group.pids)
 
+    def keepable(self, keep: bool) -> list[int]:
+        """The local ranks :meth:`start` would keep with ``keep``: the paused workers (before it runs)."""
+        if not keep:
+            return []
+        paused = set(self.hub.paused_pids())
+        return [r for r, pid in enumerate(self.group.pids) if pid in paused]
+
     def start(
         self, spec: WorkerSpec, round_number: int, on_exit: Callable[[WorkerExit], None], keep: bool
     ) -> tuple[list[int], list[int], float]:

@@ -258,10 +258,12 @@ class ElasticAgent:
             self.keeper.incarnation = assignment.job_incarnation
         root = health.stack_root(s, self.group)
         spec = training_spec(s, assignment, self.channel.path, self.worker_env, action.reset_ckpt, root)
-        self.channel.reset(s.nproc)
+        carried = self.inprocess.keepable(action.keep)  # kept workers keep their hang bound's step times
+        self.channel.reset(s.nproc, carried)
         pids, kept, started_at = self.inprocess.start(
             spec, assignment.round, self._exit_relay(action.generation), keep=action.keep
         )
+        self.channel.forget_durations(set(carried) - set(kept))
         restart, ranks = assignment.restart_count, spec.global_ranks
         self.event_log.record(
             "workers_started", round=assignment.round, ranks=ranks, pids=pids, restart=restart, kept=kept

@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from agent.observe.hang_policy import DEFAULT_POLICY
@@ -122,10 +122,25 @@ class ProgressChannel:
         self._thread = threading.Thread(target=self._receive, name="progress-channel", daemon=True)
         self._thread.start()
 
-    def reset(self, nproc: int) -> None:
-        """Forget the previous workers' progress (called when a new worker group starts)."""
+    def reset(self, nproc: int, kept: Iterable[int] = ()) -> None:
+        """Forget the previous workers' progress (called when a new worker group starts). The local ranks
+        ``kept`` (workers that live on in process) keep their step durations: the adaptive hang bound of
+        their steps still holds, and a fresh warm-up would give every in-process recovery 10 steps of the
+        600 s fallback."""
         with self._lock:
+            old = self._ranks
             self._ranks = {r: RankProgress() for r in range(nproc)}
+            for r in kept:
+                if r in old and r in self._ranks:
+                    self._ranks[r].durations = deque(old[r].durations, maxlen=DURATION_WINDOW)
+                    self._ranks[r].explicit = old[r].explicit
+
+    def forget_durations(self, local_ranks: Iterable[int]) -> None:
+        """Drop the step durations :meth:`reset` kept for ``local_ranks`` (their workers were not kept)."""
+        with self._lock:
+            for r in local_ranks:
+                if r in self._ranks:
+                    self._ranks[r].durations.clear()
 
     def snapshot(self) -> dict[int, RankProgress]:
         with self._lock:

@@ -148,6 +148,24 @@ def test_a_process_stopped_during_a_save_gets_the_adaptive_bound_and_disk_sleep_
     assert hung(channel, past_bound, psutil.STATUS_DISK_SLEEP, stuck_since=stopped_at) == []  # a slow write
 
 
+def test_a_worker_kept_in_process_keeps_its_bound_across_rounds_a_new_one_warms_up(channel) -> None:
+    channel.reset(2)
+    for rank in (0, 1):
+        t = 100.0
+        channel.record(rank, STEP, 1, now=t)
+        for step in range(2, 22):
+            t += 0.05
+            channel.record(rank, STEP, step, now=t)
+    channel.reset(2, kept=[0, 1])
+    channel.forget_durations([1])  # local rank 1's worker was not kept after all: a new process
+    after = channel.snapshot()
+    assert len(after[0].durations) == 20 and after[0].step is None, "a new round: its steps start again"
+    assert list(after[1].durations) == []
+    channel.record(0, STEP, 22, now=200.0)
+    limit = verdict_limit(RankClock(200.0, tuple(channel.snapshot()[0].durations)))
+    assert limit is not None and limit.adaptive, "no second warm-up after an in-process recovery"
+
+
 def test_explicit_steps_win_over_the_optimizer_hook_count(channel) -> None:
     channel.record(0, AUTO, 1, now=10.0)  # the optimizer stepped before the script reported
     channel.record(0, STEP, 1001, now=10.01)  # a resumed run
