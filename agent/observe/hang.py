@@ -190,9 +190,12 @@ def observe_progress(
         limit = verdict_limit(_clock(p), adaptive)
         if limit is not None:
             advanced_at, limit_s, rule = limit.since, limit.limit_s, limit.rule
-        bound = adaptive_bound(p.durations, adaptive)
-        if limit is not None and not limit.adaptive and bound is not None:
-            stopped_limit_s = bound  # a save in progress: a stopped process still gets the bound
+        if limit is not None and not limit.adaptive:
+            # A save in progress or the warm-up: a *stopped* process still gets the bound, or the floor
+            # before the bound is known (start-up slowness never stops a process; a signal or a tracer
+            # does). Before its first step a worker is judged on the fallback (a debugger attached early).
+            bound = adaptive_bound(p.durations, adaptive)
+            stopped_limit_s = bound if bound is not None else adaptive.floor_s
     return WorkerObservation(
         local_rank, step, advanced_at, status, stuck_since, limit_s, rule, stopped_limit_s
     )

@@ -20,8 +20,8 @@ durations are known. What counts, exactly:
   save's start; the save's time is taken out of the duration of the interval that contains it (an
   interval whose save had not ended by the next step adds none: before this, no interval with a save did,
   so a job that flash-saves every step never warmed up), and the idle clock restarts at the save's end.
-  A *stopped* process keeps the adaptive bound during a save (it saves nothing); one in disk sleep gets
-  the fallback (:mod:`agent.observe.hang`).
+  A *stopped* process keeps the adaptive bound during a save (it saves nothing), and gets the floor
+  during the warm-up after its first step; one in disk sleep gets the fallback (:mod:`agent.observe.hang`).
 * **Warm-up.** Before W durations are known (the first steps, a slow compilation) only the fallback bound
   applies: :data:`agent.settings.DEFAULT_HANG_TIMEOUT_S` (600 s), the timeout of releases before this one.
 * Workers without any step are judged on their process state only (stopped or in disk sleep for the

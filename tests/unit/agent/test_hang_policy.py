@@ -166,6 +166,21 @@ def test_a_worker_kept_in_process_keeps_its_bound_across_rounds_a_new_one_warms_
     assert limit is not None and limit.adaptive, "no second warm-up after an in-process recovery"
 
 
+def test_a_process_stopped_in_its_warm_up_gets_the_floor_before_its_first_step_the_fallback(channel) -> None:
+    last = replay(channel, [0.05] * 3, kind=STEP)  # 3 step times: still warming up
+    late = last + DEFAULT_POLICY.floor_s + 0.1
+    assert hung(channel, late) == [], "progress: the fallback while warming up"
+    (verdict,) = hung(channel, late, psutil.STATUS_STOPPED, stuck_since=last + 0.05)
+    assert verdict.cause == "stopped"
+    fresh = ProgressChannel()
+    fresh.reset(1)
+    try:  # no step yet (start-up, a debugger attached early): the fallback
+        obs = observe_progress(late, 0, fresh.snapshot()[0], psutil.STATUS_STOPPED, 100.0, DEFAULT_POLICY)
+        assert hung_workers(late, DEFAULT_POLICY.fallback_s, [obs]) == []
+    finally:
+        fresh.close()
+
+
 def test_explicit_steps_win_over_the_optimizer_hook_count(channel) -> None:
     channel.record(0, AUTO, 1, now=10.0)  # the optimizer stepped before the script reported
     channel.record(0, STEP, 1001, now=10.01)  # a resumed run
