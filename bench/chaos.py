@@ -2,7 +2,7 @@
 of 3-4 fake nodes (``--nnodes 2:4``) with two etcd-backed masters; then goodput with named badput buckets,
 and a final check that nothing was lost and the weights equal a fault-free run's (a first version).
 
-The job: ``elastic-run`` agents on this machine (``--nproc-per-node`` workers each, ``--hang-timeout 5``,
+The job: ``elastic-run`` agents on this machine (``--nproc-per-node`` workers each, the adaptive hang bound,
 default heartbeat 1 s / timeout 4 s, etcd lease TTL 3 s) running bench/chaos_train.py (ElasticSampler with
 a constant global batch, gradients reduced as fixed-point integers so the weights are exact at any world
 size, a flash save every step; ``--mode inprocess`` inside ``elastic.run``, ``--mode restart`` with
@@ -206,7 +206,8 @@ class Cluster:
             "--nnodes", "2:4", "--nproc-per-node", str(self.args.nproc_per_node),
             "--master", ",".join(f"127.0.0.1:{p}" for p in self.ports), "--job-id", self.job,
             "--token-file", str(self.token_file), "--node-id", name, "--ckpt-dir", str(self.folder / "ckpt"),
-            "--hang-timeout", "5", "--stop-grace", "2",
+            *(["--hang-timeout", str(self.args.hang_timeout)] if self.args.hang_timeout is not None else []),
+            "--stop-grace", "2",
             str(SCRIPT), "--mode", self.args.mode, "--stop-file", str(self.stop_file),
             "--step-time", str(self.args.step_time), "--batch-size", str(BATCH),
             "--num-samples", str(NUM_SAMPLES), "--step-log", str(self.step_log),
@@ -653,6 +654,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None, help="default: int(HEAD's sha[:8], 16)")
     p.add_argument("--nproc-per-node", type=int, default=1, choices=(1, 2))
     p.add_argument("--step-time", type=float, default=0.2, help="extra seconds per training step")
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        help="the agents' --hang-timeout (default: theirs, the adaptive bound; the runs before 2026-11-28 "
+        "evening used 5)",
+    )
     p.add_argument(
         "--kinds",
         default=",".join(sch.CHEAP_KINDS + sch.ROOT_KINDS),
