@@ -384,7 +384,9 @@ async def _step(args: argparse.Namespace, root: Path, nodes: int, name: str) -> 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.placement = Placement(not args.no_pin, args.master_cpu, args.master_core)
-    raise_nofile()
+    # The master holds one connection per node plus the idle ones the run opens, and some files.
+    fleet = max(args.nodes, *(args.saturation_steps if args.saturation else [0]))
+    raise_nofile(at_least=2 * (fleet + args.idle_connections) + 4096)
     with c.workdir(args.workdir) as root:
         out = asyncio.run(run(args, root))
     out["command"] = c.command_line()

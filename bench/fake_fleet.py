@@ -37,9 +37,17 @@ from elastic.control.tls import client_context  # noqa: E402
 LONG_POLL_S = 25.0
 
 
-def raise_nofile() -> int:
-    """Soft RLIMIT_NOFILE up to the hard limit (thousands of sockets per process); the new soft limit."""
+def raise_nofile(at_least: int = 0) -> int:
+    """Soft RLIMIT_NOFILE up to the hard limit (thousands of sockets per process); the new soft limit. With
+    ``at_least`` above the hard limit, and the privilege to (root), the hard limit goes up to it first: the
+    processes started afterwards (the master) inherit it, as an operator's ``ulimit -n`` would give them."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and at_least > hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, at_least), at_least))
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        except (ValueError, OSError):
+            pass  # not root (or above fs.nr_open): the master then says how many agents it can serve
     target = 1 << 20 if hard == resource.RLIM_INFINITY else hard  # Linux's fs.nr_open by default
     if soft != resource.RLIM_INFINITY and soft < target:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))

@@ -169,6 +169,22 @@ def resolve_cap(limit: FileLimit, max_connections: int | None) -> int:
     return cap
 
 
+def fleet_warning(cap: int, min_nodes: int, max_nodes: int) -> str | None:
+    """What to tell an operator whose job's ``--nnodes`` holds more agents than ``cap`` connections do;
+    None when it fits. Agents beyond the cap are refused (503 busy), so the master never hears them and
+    declares them dead: a round of ``min_nodes`` never forms, and one of ``max_nodes`` never grows past
+    the cap."""
+    agents = cap // CONNECTIONS_PER_AGENT
+    if max_nodes <= agents:
+        return None
+    what = "the job cannot form" if min_nodes > agents else f"nodes beyond {agents} are refused"
+    return (
+        f"--nnodes {min_nodes}:{max_nodes} exceeds the {agents} agents this master can serve at once "
+        f"({cap} connections): {what}, and refused nodes are declared dead; raise the open-file limit "
+        f"(ulimit -n, LimitNOFILE= for systemd, --ulimit nofile= for containers; {DOCS_HINT})"
+    )
+
+
 def _busy_reply(message: str) -> bytes:
     body = ErrorBody(error=ErrorCode.BUSY, message=message).model_dump_json()
     return (

@@ -30,6 +30,7 @@ from master.http.conn_guard import (
     LISTEN_BACKLOG,
     ConnectionGuard,
     accept_batch,
+    fleet_warning,
     install_log_filter,
     loop_exception_handler,
     raise_open_file_limit,
@@ -253,6 +254,8 @@ def _master_server(app: FastAPI, settings: ServerSettings, service: MasterServic
     install_log_filter()
     limit = raise_open_file_limit()
     cap = resolve_cap(limit, settings.max_connections)
+    if too_many := fleet_warning(cap, settings.job.min_nodes, settings.job.max_nodes):
+        log.warning("%s", too_many)
     guard = ConnectionGuard(
         cap, settings.header_timeout_s, settings.unauthenticated_per_address, settings.max_unauthenticated
     )

@@ -23,7 +23,7 @@ from embedded_masters import no_thread_left
 from elastic.control.error_table import Disposition, ErrorCode, disposition
 from elastic.control.job_settings import JobSettings
 from elastic.control.protocol import JOB_HEADER, NODE_SECRET_HEADER
-from master.http.conn_guard import ResourceLogFilter, connection_cap
+from master.http.conn_guard import ResourceLogFilter, connection_cap, fleet_warning
 from master.http.rate_limits import FAILURE_LIMIT, FAILURE_WINDOW_S, LogLimiter, PeerFailureLimiter
 from master.http.serving import EmbeddedMaster
 from master.service.settings import ServerSettings
@@ -111,6 +111,15 @@ def test_the_cap_leaves_descriptors_for_the_master_itself() -> None:
     assert connection_cap(1024) == 1024 - 64 - 4 * 32  # the reserve, and four accept batches of 1/32
     assert connection_cap(1 << 20) == (1 << 20) - 64 - 4 * 2048
     assert connection_cap(20) == 16
+
+
+def test_a_fleet_larger_than_the_descriptors_allow_is_named_at_start() -> None:
+    cap = connection_cap(20000)  # 17436 connections: one per agent
+    assert fleet_warning(cap, 2, 17436) is None
+    grows = fleet_warning(cap, 2, 20000)
+    assert grows is not None and "nodes beyond 17436 are refused" in grows and "ulimit -n" in grows
+    never = fleet_warning(cap, 20000, 20000)
+    assert never is not None and "the job cannot form" in never
 
 
 def test_busy_and_a_repeated_wrong_token_are_in_the_error_table() -> None:
