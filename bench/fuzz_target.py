@@ -41,9 +41,9 @@ from master.job.job import AGGREGATE_PERIOD_S
 #: A snapshot of the status is quiet once it held this long: past the master's periodic recomputation of
 #: the committed step and the straggler flags (master.job.job.AGGREGATE_PERIOD_S), plus a tick.
 QUIET_S = AGGREGATE_PERIOD_S + 0.25
-#: Status fields that move with time alone: heartbeat and event ages, and the goodput ratio (training time
-#: over wall time). They are left out when two snapshots are compared.
-TIME_FIELDS = frozenset({"heartbeat_age_s", "age_s", "goodput_ratio"})
+#: Status fields that move with time alone: heartbeat and event ages, the goodput ratio (training time
+#: over wall time) and the badput seconds. They are left out when two snapshots are compared.
+TIME_FIELDS = frozenset({"heartbeat_age_s", "age_s", "goodput_ratio", "badput_s"})
 REQUEST_TIMEOUT_S = LONG_POLL_CAP_S + 10
 START_TIMEOUT_S = 60.0
 CHECKS = [

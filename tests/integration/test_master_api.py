@@ -81,10 +81,11 @@ def join_req(node_id: str, **overrides: Any) -> JoinRequest:
 
 
 def snapshot(http: httpx.Client) -> dict[str, Any]:
-    """``GET /v1/status`` without the heartbeat ages (they change with time alone)."""
+    """``GET /v1/status`` without the heartbeat ages and the badput seconds (they change with time alone)."""
     response = http.get("/v1/status", headers=AUTH)
     assert response.status_code == 200, response.text
     data = response.json()
+    data.pop("badput_s")
     for row in data["nodes"]:
         row.pop("heartbeat_age_s")
     for event in data.get("events", []):

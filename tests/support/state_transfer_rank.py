@@ -8,6 +8,7 @@ do not fit, new ones are received and load_state_dict reports the mismatch)."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 
@@ -41,7 +42,7 @@ def main() -> None:
         int(port),
         world,
         is_master=rank == 0,
-        timeout=__import__("datetime").timedelta(seconds=30),
+        timeout=datetime.timedelta(seconds=30),
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.manual_seed(0)
