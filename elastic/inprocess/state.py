@@ -31,16 +31,17 @@ class Stateful(Protocol):
 
 
 def _copy_into(buffer: Any, value: Any) -> Any:
-    """A CPU copy of ``value``, reusing the tensors of ``buffer`` (an earlier copy) where they fit."""
+    """A copy of ``value`` that reuses the tensors of ``buffer`` (an earlier copy, or an object's live state)
+    where they fit (shape, dtype, plain strided layout): copied into them; elsewhere a new CPU copy."""
     if isinstance(value, torch.Tensor):
         value = value.detach()
         if (
             isinstance(buffer, torch.Tensor)
             and buffer.shape == value.shape
             and buffer.dtype == value.dtype
-            and not value.is_sparse
+            and buffer.layout == value.layout == torch.strided
         ):
-            return buffer.copy_(value)
+            return buffer.detach().copy_(value)
         return value.to("cpu", copy=True)
     if isinstance(value, Mapping):
         old = buffer if isinstance(buffer, Mapping) else {}
@@ -51,28 +52,6 @@ def _copy_into(buffer: Any, value: Any) -> Any:
         )
         copied = [_copy_into(b, v) for b, v in zip(olds, value, strict=True)]
         return copied if isinstance(value, list) else tuple(copied)
-    return copy.deepcopy(value)
-
-
-def _refill(value: Any, live: Any) -> Any:
-    """``value`` (a committed copy) with each tensor copied into the tensor at the same place of ``live``
-    (the object's current state) when shape, dtype and layout match, else cloned; other values copied."""
-    if isinstance(value, torch.Tensor):
-        if (
-            isinstance(live, torch.Tensor)
-            and live.shape == value.shape
-            and live.dtype == value.dtype
-            and live.layout == value.layout == torch.strided
-        ):
-            return live.detach().copy_(value)
-        return _clone(value)
-    if isinstance(value, Mapping):
-        mine = live if isinstance(live, Mapping) else {}
-        return {k: _refill(v, mine.get(k)) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        same = isinstance(live, list | tuple) and len(live) == len(value)
-        parts = [_refill(v, live[i] if same else None) for i, v in enumerate(value)]
-        return parts if isinstance(value, list) else tuple(parts)
     return copy.deepcopy(value)
 
 
@@ -109,7 +88,7 @@ class Committed:
         most of a large model's re-formation), cloned elsewhere; never the committed buffers themselves,
         which an object may keep (an optimizer does) and the next commit overwrites."""
         for name, obj in self.objects.items():
-            obj.load_state_dict(_refill(self._states[name], obj.state_dict()))
+            obj.load_state_dict(_copy_into(obj.state_dict(), self._states[name]))
         if self._rng is not None:
             torch.set_rng_state(self._rng[0])
             random.setstate(self._rng[1])

@@ -12,6 +12,15 @@ from master.cli.status import render_status
 pytestmark = pytest.mark.timeout(30)
 
 
+def training_job(**fields) -> JobStatus:
+    """A training job of 2 nodes in round 2, with ``fields`` (its nodes among them)."""
+    values: dict = dict(
+        job_id="j", master_id="m", phase="training", round=2, world_size=2, nnodes=2, restart_count=0,
+        max_restarts=3,
+    )  # fmt: skip
+    return JobStatus(**{**values, **fields})
+
+
 def test_the_status_table_shows_step_time_and_flags_and_the_check_figures():
     def row(node_id, rank, **fields) -> NodeStatus:
         values: dict = dict(
@@ -27,15 +36,7 @@ def test_the_status_table_shows_step_time_and_flags_and_the_check_figures():
         values.update(fields)
         return NodeStatus(**values)
 
-    job = JobStatus(
-        job_id="j",
-        master_id="m",
-        phase="training",
-        round=2,
-        world_size=2,
-        nnodes=2,
-        restart_count=0,
-        max_restarts=3,
+    job = training_job(
         nodes=[
             row("a", 0, step_time_s=0.5, compute_time_s=0.1, node_check=check(), node_check_verdict="ok"),
             row("b", 1, step_time_s=0.5, compute_time_s=0.45, straggler=True),
@@ -60,15 +61,7 @@ def test_the_status_table_shows_step_time_and_flags_and_the_check_figures():
 
 
 def test_the_status_names_where_the_lost_time_went_largest_first():
-    job = JobStatus(
-        job_id="j",
-        master_id="m",
-        phase="training",
-        round=3,
-        world_size=1,
-        nnodes=1,
-        restart_count=1,
-        max_restarts=3,
+    job = training_job(
         nodes=[],
         goodput_ratio=0.9,
         badput_s={"detection": 0.5, "rendezvous": 2.25, "re_form": 0.0, "redone_steps": 1.0, "other": 0.01},
