@@ -257,9 +257,9 @@ def load(
 
     Without a process group in a multi-rank world (no collective to agree with), the step the job
     master recorded as committed (``ELASTIC_COMMITTED_STEP``, set by elastic-run) is the agreement. Under an
-    agent that offers in-process recovery, a process that holds no copy of it (or knows none yet) starts
-    from this node's newest copy up to it, or from nothing: the ranks then agree inside
-    :func:`elastic.run`, which sends the committed step to the ranks that lack it.
+    agent that offers in-process recovery a process starts from this node's newest copy up to it (any
+    while none is known), or a newer one in this node's memory, or from nothing: the ranks then agree inside
+    :func:`elastic.run`, which sends the newest step any rank holds to the ranks that lack it.
     ``ELASTIC_CKPT_RESET=1`` (``elastic-run --ckpt-reset``, first start only) makes this rank ignore its
     own checkpoints: with it on every rank, training starts fresh.
 
@@ -279,6 +279,7 @@ def load(
     """
     flash.wait_all()  # a save whose device copies are still running is in the folder first
     copies = _local_copies(ckpt_dir)
+    joining = False  # a starting point for elastic.run's agreement, not the job's agreed step
     if os.environ.get(CKPT_RESET_ENV, "") in ("1", "true", "yes") and copies:
         # This rank holds nothing, but still takes part in the agreement: another rank's copy wins.
         log.warning("%s is set: ignoring this rank's checkpoints (steps %s)", CKPT_RESET_ENV, sorted(copies))
@@ -287,24 +288,37 @@ def load(
     committed = env_int(COMMITTED_STEP_ENV, None)
     wanted = step
     if wanted is None and world == 0 and (env_int("WORLD_SIZE", 1) or 1) > 1 and copies:
-        if committed is not None and committed in copies:
-            wanted = committed
-        elif os.environ.get(INPROCESS_SOCKET):
+        if os.environ.get(INPROCESS_SOCKET):
             # A process started to join live ranks under an agent that offers in-process recovery (a spare
             # taking a lost rank, a replacement, a worker lost before the master knew a committed step):
-            # elastic.run agrees on the state with the live ranks before training and sends the committed
-            # step to every rank that lacks it. This node's newest copy up to that step (any, while none is
-            # known) is only a starting point, and no copy at all is no error.
-            usable = {s: paths for s, paths in copies.items() if committed is None or s <= committed}
-            log.warning(
-                "elastic.load without a process group, %s: starting from %s; elastic.run agrees on the "
-                "state with the other ranks",
-                f"no copy of committed step {committed}" if committed is not None else "no committed step",
-                f"this node's copy of step {max(usable)}" if usable else "no checkpoint",
+            # elastic.run agrees on the state with the live ranks before training and sends the newest step
+            # to every rank that lacks it. This node's newest copy is only a starting point, and no copy at
+            # all is no error: one up to the committed step (any, while none is known), or one in this
+            # node's memory past it. The committed step trails the saves by a heartbeat or so, and memory
+            # newer than a node's last restore was saved by the lineage the job is on (a restore drops what
+            # is newer); the newest step of any rank wins the agreement, so steps that every rank saved
+            # after the master last heard of them are not thrown away.
+            usable = {
+                s: paths
+                for s, paths in copies.items()
+                if committed is None or s <= committed or any(_in_memory(p) for p in paths)
+            }
+            joining = True
+            start = max(usable) if usable else None
+            log.log(
+                logging.INFO
+                if start is not None and committed is not None and start >= committed
+                else logging.WARNING,
+                "elastic.load without a process group, committed step %s: starting from %s; elastic.run "
+                "agrees on the state with the other ranks",
+                committed if committed is not None else "not known yet",
+                f"this node's copy of step {start}" if start is not None else "no checkpoint",
             )
             if not usable:
                 return None
             copies = usable
+        elif committed is not None and committed in copies:
+            wanted = committed
         elif committed is not None:
             wanted = committed  # held by no rank without a group: the error below names it
         else:
@@ -341,7 +355,8 @@ def load(
             chosen,
             committed,
         )
-    _forget_newer_memory(chosen)
+    if not joining:  # a starting point decides nothing: the agreement may still pick a newer step
+        _forget_newer_memory(chosen)
     if chosen not in copies and received is not None:
         _keep_in_memory(chosen, received)
     log.info("restored the checkpoint of step %d from %s", chosen, source)

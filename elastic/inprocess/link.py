@@ -104,8 +104,12 @@ class AgentLink:
             if self._resume is None:
                 raise AgentGone("the agent closed the in-process connection")
             resume, self._resume = self._resume, None
-            self.pausing.clear()
-            self._left.clear()
+            # A pause of a later round may have come right behind this resume (a round that opened while
+            # this one formed): it stands, and the group of this round is not formed at all.
+            pause_round, resume_round = self.pause_round, resume.get("round")
+            if pause_round is None or not isinstance(resume_round, int) or pause_round <= resume_round:
+                self.pausing.clear()
+                self._left.clear()
             self._last_commit = None  # the first step of the next world includes its forming
             return resume
 

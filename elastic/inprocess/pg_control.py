@@ -84,6 +84,7 @@ class DistApi(Protocol):
     def init(self, backend: str, connect_timeout_s: float | None) -> None: ...
     def abort(self) -> None: ...
     def destroy(self) -> None: ...
+    def forget_failed_init(self) -> None: ...
 
 
 class TorchDist:
@@ -115,6 +116,19 @@ class TorchDist:
         collectives.settle()
         dist.destroy_process_group()
 
+    def forget_failed_init(self) -> None:
+        """After an init that failed half-way: torch had numbered the group that never formed, so this
+        rank's next group would name its store keys differently from the other ranks' and their formation
+        would wait for ever. Destroying the default group resets that numbering (torch does it so that
+        groups re-form after a failure); with none formed, a one-rank group is formed and destroyed, all
+        through the public API."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.destroy_process_group()
+
 
 @dataclass
 class GroupControl:
@@ -129,19 +143,43 @@ class GroupControl:
     links: Callable[[], dict[int, str]] = socket_links
     _group_sockets: dict[int, str] = field(default_factory=dict)
     _aborted: bool = False
+    #: While :meth:`form` runs: the sockets that existed before it began (None otherwise).
+    _forming_after: frozenset[str] | None = None
 
     def form(self, connect_timeout_s: float | None = None) -> None:
         """Initialise the default group from the environment (RANK, WORLD_SIZE, MASTER_ADDR...); forming it
-        may take ``connect_timeout_s`` (None: the collective timeout)."""
+        may take ``connect_timeout_s`` (None: the collective timeout). :meth:`release` from another thread
+        makes a formation that waits for a rank that never comes raise."""
         if self.backend == "nccl":
             os.environ[NCCL_ASYNC_ERROR_HANDLING] = NCCL_CLEANUP_ONLY
-        before = set(self.links().values())
-        self.api.init(self.backend, connect_timeout_s)
-        self._aborted = False
-        self._group_sockets = {fd: link for fd, link in self.links().items() if link not in before}
+        before = frozenset(self.links().values())
+        self._forming_after = before
+        try:
+            self.api.init(self.backend, connect_timeout_s)
+            self._aborted = False
+            # Set before the formation ends: a release in between shuts these down as forming ones.
+            self._group_sockets = {fd: link for fd, link in self.links().items() if link not in before}
+        except BaseException:
+            self.api.forget_failed_init()
+            raise
+        finally:
+            self._forming_after = None
 
     def release(self) -> None:
-        """Wake a collective blocked on a vanished peer: it raises. Idempotent; the group is unusable then."""
+        """Wake a collective blocked on a vanished peer: it raises. Idempotent; the group is unusable then.
+
+        During :meth:`form` it wakes the formation instead: a round whose member never joins (one cut off,
+        or kept in a collective of an older round) leaves the others waiting on the rendezvous store, and
+        the next round's pause must get them out in process. The connections opened since the formation
+        began (the store's, gloo's mesh so far) are shut down: the store's wait sees end-of-file and
+        raises. Without that, the agent gave up after its grace and restarted the processes, whose
+        in-memory state was lost."""
+        before = self._forming_after
+        if before is not None:
+            forming = {fd: link for fd, link in self.links().items() if link not in before}
+            count = shutdown_inet_sockets(forming)
+            log.debug("released a forming %s group: %d connections shut down", self.backend, count)
+            return
         if self.backend == "nccl":
             if not self._aborted and self.api.is_initialized():
                 self._aborted = True

@@ -45,6 +45,7 @@ from typing import TypeVar
 
 from elastic import contract
 from elastic.distributed import backend_for_device
+from elastic.errors import WorkerError
 from elastic.inprocess import wire
 from elastic.inprocess.link import AgentGone, AgentLink
 from elastic.inprocess.pg_control import GroupControl
@@ -165,7 +166,14 @@ def run(
     world: World | None = None
     while True:
         if world is None:
-            world = _form(control, committed, link, backend, reform_timeout_s if recovering else None)
+            try:
+                world = _form(control, committed, link, backend, reform_timeout_s if recovering else None)
+            except _PausedWhileForming:
+                assert link is not None
+                link.left_step()
+                _leave(control, committed, link, timeout_s)
+                recovering = True
+                continue
         _reshard(state, world)
         try:
             return train(world)
@@ -190,6 +198,10 @@ def run(
         world = None
 
 
+class _PausedWhileForming(WorkerError):
+    """The agent paused this worker while its group formed or agreed on the state: a newer round began."""
+
+
 def _form(
     control: GroupControl, committed: Committed, link: AgentLink | None, backend: str, reform_s: float | None
 ) -> World:
@@ -198,9 +210,15 @@ def _form(
     began = time.monotonic()
     recovering = reform_s is not None
     try:
+        if link is not None and link.pausing.is_set():  # the next round began before this one formed
+            raise RuntimeError(f"round {link.pause_round} began before this group formed")
         control.form(reform_s)
         decided = agree(committed)
     except Exception as exc:
+        if link is not None and link.pausing.is_set():
+            # The next round began while this one formed (a member that never came): the pause released
+            # the formation; leave it like a broken step and form the next round's group in process.
+            raise _PausedWhileForming(_first_line(exc)) from exc
         if link is not None and recovering:
             link.send(wire.FAILED, error=_first_line(exc))
         raise

@@ -6,9 +6,10 @@ commit to the next, plus this process's RNG state. A step that broke half-way is
 :meth:`Committed.restore`.
 
 After a new group formed, :func:`agree` finds the newest committed step among its ranks. A collective
-completes on one rank only once every rank has sent its part, so the live ranks are at most one step
-apart: the lowest rank holding the newest step sends its state to every rank that lacks it (a replaced
-rank, or a rank that was one step behind), so no committed step is lost and none is redone. The RNG
+completes on one rank only once every rank has sent its part, so ranks that trained in one group are at
+most one step apart; a rank kept while it was cut off, or a restarted process that loaded a copy, may be
+further off. The lowest rank holding the newest step sends its state to every rank that lacks it (a
+replaced rank, or a rank behind), so no committed step is lost and none is redone. The RNG
 state is each rank's own and never sent.
 """
 
@@ -119,14 +120,23 @@ class Agreement:
 def plan(reports: list[tuple[int, bool]]) -> Agreement:
     """Pure: from each rank's (committed step, fresh), the step to continue from and who sends it.
 
-    Every rank fresh (a job's first start): nobody sends. Otherwise the lowest non-fresh rank with the
-    newest step sends it to every fresh rank and every rank behind it."""
-    held = [(step, rank) for rank, (step, fresh) in enumerate(reports) if not fresh]
-    if not held:
-        return Agreement(max(step for step, _ in reports), None, ())
-    newest = max(step for step, _ in held)
-    source = min(rank for step, rank in held if step == newest)
-    receivers = tuple(r for r, (step, fresh) in enumerate(reports) if fresh or step != newest)
+    The newest step any rank holds wins, whether it was committed in this process or loaded at its start
+    (a fresh process's copy is of the job's lineage: elastic.load takes it up to the committed step, or
+    from this node's own memory). A rank kept in its process may be far behind: one cut off from the others
+    for a while, kept since, holds the step it last committed, and a process restarted beside it may have
+    loaded a newer one; letting the kept one win threw the newer steps away.
+    Of the ranks at the newest step, the lowest one that is not fresh sends it to every fresh rank and
+    every rank behind; when only fresh ranks hold it, the lowest of them sends it to the ranks behind
+    (fresh ranks at the same step loaded the same state). Every rank fresh at one step (a job's first
+    start): nobody sends."""
+    newest = max(step for step, _ in reports)
+    kept = [rank for rank, (step, fresh) in enumerate(reports) if not fresh and step == newest]
+    if kept:
+        source = kept[0]
+        receivers = tuple(r for r, (step, fresh) in enumerate(reports) if fresh or step != newest)
+    else:
+        source = min(rank for rank, (step, _) in enumerate(reports) if step == newest)
+        receivers = tuple(r for r, (step, _) in enumerate(reports) if step != newest)
     return Agreement(newest, source if receivers else None, receivers)
 
 

@@ -100,7 +100,13 @@ def test_a_peer_payload_is_adopted_without_its_rng() -> None:
         ([(7, False), (0, True)], 7, 0, (1,)),  # rank 1 replaced
         ([(0, True), (7, False), (7, False)], 7, 1, (0,)),  # the new rank 0 receives from rank 1
         ([(7, False), (8, False), (0, True)], 8, 1, (0, 2)),  # rank 0 was one step behind
-        ([(5, True), (9, False)], 9, 1, (0,)),  # what a fresh process loaded from disk does not count
+        ([(5, True), (9, False)], 9, 1, (0,)),  # an older step a fresh process loaded is replaced
+        # A rank kept in its process while cut off (step 2598) and two processes restarted beside it that
+        # loaded their node's newer copy: the newer step wins (the kept one's won and lost 80 steps).
+        ([(2670, True), (2670, True), (2598, False)], 2670, 0, (2,)),
+        ([(2670, True), (2678, True), (2598, False)], 2678, 1, (0, 2)),
+        ([(12, True), (10, True)], 12, 0, (1,)),  # every process restarted, copies of different steps
+        ([(9, True), (9, False)], 9, 1, (0,)),  # at the same step the kept rank sends (a fresh init)
     ],
 )
 def test_the_newest_committed_step_comes_from_the_lowest_rank_holding_it(

@@ -34,6 +34,9 @@ class FakeDist:
         self.calls.append("destroy")
         self.formed = False
 
+    def forget_failed_init(self) -> None:
+        self.calls.append("forget")
+
 
 def test_nccl_forms_with_cleanup_only_error_handling_and_is_aborted_once(monkeypatch) -> None:
     monkeypatch.setenv(NCCL_ASYNC_ERROR_HANDLING, "1")
@@ -103,3 +106,46 @@ def test_a_descriptor_reused_since_is_not_shut_down() -> None:
     assert b.recv(1) == b"y"
     a.close()
     b.close()
+
+
+def test_a_release_during_the_formation_wakes_its_wait_and_the_failed_init_is_forgotten() -> None:
+    """A round whose member never comes leaves the others in their formation, waiting on the rendezvous
+    store: the next round's pause must wake them (the connections opened since the formation began are
+    shut down), and torch's numbering of the group that never formed is reset for the next formation."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    mine = socket.create_connection(("127.0.0.1", port))  # the script's own socket, from before
+    kept_peer, _ = listener.accept()
+    waiting = threading.Event()
+    opened: list[socket.socket] = []
+
+    class StoreWaitDist(FakeDist):
+        def init(self, backend: str, connect_timeout_s: float | None) -> None:
+            client = socket.create_connection(("127.0.0.1", port))  # the store's connection
+            opened.extend((client, listener.accept()[0]))
+            waiting.set()
+            if client.recv(1) == b"":  # the missing rank's key never comes
+                raise RuntimeError("the store closed the connection")
+            super().init(backend, connect_timeout_s)
+
+    api = StoreWaitDist()
+    control = GroupControl("gloo", api, links=socket_links)
+    failed: list[BaseException] = []
+
+    def form() -> None:
+        try:
+            control.form()
+        except RuntimeError as exc:
+            failed.append(exc)
+
+    forming = threading.Thread(target=form)
+    forming.start()
+    assert waiting.wait(10)
+    control.release()
+    forming.join(10)
+    assert not forming.is_alive() and len(failed) == 1, "the formation raised"
+    assert api.calls == ["forget"], "the failed init was forgotten"
+    mine.sendall(b"x")
+    assert kept_peer.recv(1) == b"x", "a socket from before the formation is untouched"
+    for s in (listener, mine, kept_peer, *opened):
+        s.close()

@@ -131,26 +131,46 @@ def test_a_load_before_any_group_and_any_committed_step_restores_the_newest_copy
 
 
 @pytest.mark.timeout(60)
-def test_a_process_joining_live_ranks_without_the_committed_step_starts_from_what_it_has(
-    flash_env: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_process_joining_live_ranks_starts_from_its_newest_copy_of_the_lineage(
+    flash_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A spare taking a lost rank (or a replacement for a killed worker) under an agent that offers
-    in-process recovery may hold no copy of the committed step: its early ``elastic.load`` starts from
-    this node's newest copy up to that step, or from nothing, and ``elastic.run`` receives the committed
-    step from a live rank (before, it raised "not loadable by any rank" at every start: a crash loop)."""
+    """A spare taking a lost rank (or a process restarted beside ranks kept in process) under an agent that
+    offers in-process recovery: its early ``elastic.load`` is only a starting point, and ``elastic.run``'s
+    agreement takes the newest step any rank holds. It starts from this node's newest copy up to the
+    committed step, or from one in this node's memory past it (the committed step trails the saves by a
+    heartbeat; a restore drops memory of another lineage), or from nothing; it drops none of the newer
+    memory copies (before, a restart that loaded the committed step deleted the steps saved after it, and
+    a kept rank's older step won: 80 steps lost in a chaos run). Disk copies past the committed step are
+    not used: the shared folder may hold a rolled-back run's."""
+    disk = tmp_path / "disk"
+    shm = os.environ["ELASTIC_SHM_DIR"]
+    monkeypatch.delenv("ELASTIC_SHM_DIR")
+    for step in (5, 6):
+        checkpoint.save({"w": torch.full((4,), float(step))}, step, ckpt_dir=disk)
+    monkeypatch.setenv("ELASTIC_SHM_DIR", shm)
+    monkeypatch.setenv("ELASTIC_CKPT_DIR", str(disk))
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("ELASTIC_INPROCESS_SOCKET", str(flash_env / "inprocess.sock"))
     for step in (3, 4):
-        checkpoint.save({"w": torch.full((4,), float(step))}, step)
+        checkpoint.save({"w": torch.full((4,), float(step))}, step, persist=False)
     flash.wait_all()
     monkeypatch.setenv("ELASTIC_COMMITTED_STEP", "9")  # the live ranks' step, not on this node
     loaded = checkpoint.load()
-    assert loaded is not None and loaded[1] == 4, "the newest copy up to the committed step"
-    monkeypatch.setenv("ELASTIC_COMMITTED_STEP", "2")  # older than any copy here: nothing to start from
-    assert checkpoint.load() is None
-    monkeypatch.setenv("ELASTIC_COMMITTED_STEP", "3")  # held here: exactly it, not the newer copy
+    assert loaded is not None and loaded[1] == 6, "the newest copy up to the committed step"
+    monkeypatch.setenv("ELASTIC_COMMITTED_STEP", "2")  # older than any copy: memory past it, not disk
     loaded = checkpoint.load()
-    assert loaded is not None and loaded[1] == 3
+    assert loaded is not None and loaded[1] == 4 and torch.equal(loaded[0]["w"], torch.full((4,), 4.0))
+    monkeypatch.setenv("ELASTIC_COMMITTED_STEP", "3")  # held here, and a newer memory copy
+    loaded = checkpoint.load()
+    assert loaded is not None and loaded[1] == 4
+    assert sorted(s for s, _ in layout.checkpoint_files(Path(shm))) == [3, 4], "no memory copy dropped"
+    monkeypatch.setenv("ELASTIC_COMMITTED_STEP", "5")
+    loaded = checkpoint.load()
+    assert loaded is not None and loaded[1] == 5, "a disk copy up to the committed step beats older memory"
+    for step in (3, 4):
+        (Path(shm) / layout.step_file_name(step)).unlink()
+    monkeypatch.setenv("ELASTIC_COMMITTED_STEP", "2")
+    assert checkpoint.load() is None, "nothing up to the committed step and nothing in memory"
     monkeypatch.delenv("ELASTIC_INPROCESS_SOCKET")
     monkeypatch.setenv("ELASTIC_COMMITTED_STEP", "9")  # no in-process offer: the committed step is required
     with pytest.raises(checkpoint.CheckpointError, match="step 9 is not loadable"):
