@@ -29,7 +29,7 @@ from agent.machine.decisions import CHECK_PG_TIMEOUT_S
 from agent.machine.events import HangLike
 from agent.observe.channel import ProgressChannel
 from agent.observe.hang import Hang, HangWatch
-from agent.observe.stackdump import dump_stacks, stack_file_path
+from agent.observe.stackdump import StackDump, dump_stacks, stack_file_path
 from agent.settings import AgentSettings
 from agent.workers.environment import worker_envs
 from agent.workers.group import FailureInfo, WorkerExit, WorkerGroup, WorkerSpec
@@ -147,11 +147,24 @@ def hang_failure(
             pids[hang.local_rank],
             hang.reason,
         )
-    attempt = f"round{assignment.round}"
-    targets = [
-        (pids[h.local_rank], offset + h.local_rank, stack_file_path(root, attempt, offset + h.local_rank))
-        for h in hangs
-    ]
+    dumps = record_stacks([h.local_rank for h in hangs], pids, assignment, root, f"round{assignment.round}")
+    first, dump = hangs[0], dumps[0]
+    message = first.reason + (f"; Python stack in {dump.path}" if dump.path else "")
+    return FailureInfo(
+        local_rank=first.local_rank,
+        global_rank=offset + first.local_rank,
+        exit_code=None,
+        signal=None,
+        message=message,
+    )
+
+
+def record_stacks(
+    local_ranks: list[int], pids: list[int], assignment: Assignment, root: Path, attempt: str
+) -> list[StackDump]:
+    """Record the Python stacks of ``local_ranks`` under ``root/attempt`` and log them (the first lines)."""
+    offset = assignment.rank_offset
+    targets = [(pids[r], offset + r, stack_file_path(root, attempt, offset + r)) for r in local_ranks]
     dumps = dump_stacks(targets)
     for dump in dumps:
         if dump.path is None:
@@ -170,15 +183,7 @@ def hang_failure(
             shown,
             more,
         )
-    first, dump = hangs[0], dumps[0]
-    message = first.reason + (f"; Python stack in {dump.path}" if dump.path else "")
-    return FailureInfo(
-        local_rank=first.local_rank,
-        global_rank=offset + first.local_rank,
-        exit_code=None,
-        signal=None,
-        message=message,
-    )
+    return dumps
 
 
 def check_result_file(group: WorkerGroup, assignment: Assignment) -> Path:

@@ -251,10 +251,14 @@ class InProcessSteps:
             self.event_log.record("workers_paused", round=pause.round, local_ranks=paused)
         return waiting
 
-    def fall_back(self, round_number: int, why: str) -> None:
-        """In-process recovery failed: say why; the workers are stopped next (their processes restart)."""
-        log.warning("in-process recovery failed (%s); restarting the workers' processes instead", why)
-        self.event_log.record("inprocess_fallback", round=round_number, reason=why)
+    def fall_back(self, round_number: int, why: str, stacks: list[str] | None = None) -> None:
+        """In-process recovery failed: say why (and where the stuck workers' Python stacks are); the workers
+        are stopped next (their processes restart)."""
+        where = f"; Python stacks in {', '.join(stacks)}" if stacks else ""
+        log.warning(
+            "in-process recovery failed (%s); restarting the workers' processes instead%s", why, where
+        )
+        self.event_log.record("inprocess_fallback", round=round_number, reason=why, stacks=stacks or [])
 
     def stopped(self) -> None:
         """The workers were stopped: nothing is paused any more."""

@@ -327,7 +327,14 @@ class ElasticAgent:
         return ev.PauseSettled(self.inprocess.await_paused(action.timeout_s))
 
     def _fall_back(self, action: ev.FallBack) -> None:
-        self.inprocess.fall_back(action.round, action.reason)
+        stacks: list[str] = []
+        if action.stuck and self.assignment is not None:
+            # Why a worker could not leave its step is in its stack: record it before it is stopped.
+            root = health.stack_root(self.settings, self.group)
+            attempt = f"round{action.round}-stuck"
+            dumps = health.record_stacks(list(action.stuck), self.group.pids, self.assignment, root, attempt)
+            stacks = [str(d.path) for d in dumps if d.path is not None]
+        self.inprocess.fall_back(action.round, action.reason, stacks)
 
     def _stop_check(self, action: ev.StopCheck) -> None:
         self._cancel_check_timer()

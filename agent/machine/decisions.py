@@ -322,7 +322,7 @@ class AgentMachine:
             return self._start(assignment, keep=pause is not None)
         ranks = ", ".join(map(str, event.waiting))
         why = f"local ranks {ranks} did not leave their step within {self.config.stop_grace_s:g}s"
-        return [FallBack(pause.round, why), self._stop(), *self._start(assignment)]
+        return [FallBack(pause.round, why, tuple(event.waiting)), self._stop(), *self._start(assignment)]
 
     # -- outcomes ------------------------------------------------------------------------------------
     def _on_failure_reply(self, event: MasterReplied, now: float) -> list[Action]:

@@ -319,10 +319,12 @@ class AwaitPaused:
 @dataclass(frozen=True)
 class FallBack:
     """In-process recovery failed (``reason``): log it and record ``inprocess_fallback`` for the ``round``
-    the workers left; the next start restarts their processes."""
+    the workers left; the next start restarts their processes. ``stuck``: the local ranks still in their
+    step (their Python stacks are recorded before they are stopped)."""
 
     round: int
     reason: str
+    stuck: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -245,7 +245,9 @@ def test_workers_that_do_not_leave_their_step_within_the_stop_grace_restart_thei
     assert m.handle(ev.RoundAssigned(assignment(2)), 10.0) == [ev.AwaitPaused(0.0)]  # the deadline is past
     actions = m.handle(ev.PauseSettled((1,)), 10.0)
     assert kinds(actions) == [ev.FallBack, ev.StopWorkers, ev.StartWorkers]
-    assert actions[0] == ev.FallBack(1, f"local ranks 1 did not leave their step within {STOP_GRACE:g}s")
+    assert actions[0] == ev.FallBack(
+        1, f"local ranks 1 did not leave their step within {STOP_GRACE:g}s", stuck=(1,)
+    ), "the stuck local rank is named: its stack is recorded before the stop"
     assert actions[2] == ev.StartWorkers(m.generation, assignment(2), reset_ckpt=False, keep=False)
     assert m.pause is None
 
