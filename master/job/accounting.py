@@ -91,6 +91,8 @@ class PendingFailure:
     counted: bool  # False when the budget was already spent: the job fails at the close
     reporter: str = ""  # the node that reported it: its report corroborates another member's closed link
     reported_at: float | None = None  # when the master had the report
+    #: A stall (a hang report): a member silent to the master corroborates it too (master.job.liveness).
+    stalled: bool = False
 
     def declared_later(self, now: float) -> str:
         """`` (declared dead 0.4 s after the failure report)`` for a peer declared dead ``now`` whose loss
@@ -156,10 +158,11 @@ class RestartBudget:
         cause: str,
         reporter: str,
         reported_at: float | None = None,
+        stalled: bool = False,
     ) -> PendingFailure | None:
-        """A failure in round ``round_number`` (whose members are ``members``), reported by ``reporter``:
-        charge one restart if any is left, provisionally. None, charging nothing, when that round's
-        failure was charged already."""
+        """A failure in round ``round_number`` (whose members are ``members``), reported by ``reporter``
+        (``stalled``: a hang): charge one restart if any is left, provisionally. None, charging nothing,
+        when that round's failure was charged already."""
         if round_number in self._charged_rounds:
             return None
         self._charged_rounds.add(round_number)
@@ -167,7 +170,7 @@ class RestartBudget:
         if counted:
             self._spent += 1
         self._pending = PendingFailure(
-            round_number, frozenset(members), cause, counted, reporter, reported_at
+            round_number, frozenset(members), cause, counted, reporter, reported_at, stalled
         )
         return self._pending
 

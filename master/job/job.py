@@ -55,6 +55,7 @@ from master.job.liveness import (
     Liveness,
     SelfSuspicion,
     check_secret,
+    corroborated,
     hash_secret,
     incarnation_secret,
     judge_join,
@@ -437,6 +438,8 @@ class Job:
         if now - self.aggregates_at >= AGGREGATE_PERIOD_S:
             self._refresh_aggregates(now)
         self._readmit_expired(now)
+        if (pending := self.budget.pending) is not None and pending.stalled:
+            self._corroborate(pending.reporter, now, closed=False)  # a member silent since the report
         dead = self.liveness.dead(now)
         active = self.rdzv.current if self.rdzv.phase is Phase.ACTIVE else None
         if dead and (held := self.suspicion.judge(self.liveness, dead, active, self.settings, now)):
@@ -710,27 +713,25 @@ class Job:
             self.record(now, EventKind.CRASH_LOOP, stop.message, **stop.fields)
             self._finish(stop.outcome, now)
             return
-        self.budget.charge(round_number, members, cause, node.node_id, reported_at=now)
+        self.budget.charge(round_number, members, cause, node.node_id, now, stalled=verdict is Cause.HANG)
         self._open_round(now, cause, counted=True, cause=verdict, began_at=failed_at)
         self._advance(now)
 
-    def _corroborate(self, reporter: str, now: float) -> None:
-        """``reporter``'s failure report corroborates the suspicion of every other member whose connection
-        to the master closed (DESIGN.md, liveness corroboration): each is dead now, not after two more
-        heartbeat intervals. A report alone, with no closed connection, stays a suspicion of nobody."""
+    def _corroborate(self, reporter: str, now: float, closed: bool = True) -> None:
+        """``reporter``'s failure report makes other members dead now, not at their timeout: see
+        :func:`~master.job.liveness.corroborated` (``closed``: those whose connection closed, too)."""
         pending = self.budget.pending
         current = self.rdzv.current
         members = pending.members if pending is not None else current.members if current else ()
-        for member in members:
-            if member != reporter and self.liveness.suspected(member):
-                self.liveness.suspect(member, now, 0.0)
-                self.record(
-                    now,
-                    EventKind.NODE_SUSPECT,
-                    f"node {member} closed its connection to the master and node {reporter} reported a "
-                    "failure: declared dead now",
-                    node=member,
-                )
+        interval = self.settings.heartbeat_interval_s if pending and pending.stalled else None
+        for member, why in corroborated(self.liveness, members, reporter, now, closed, interval):
+            self.liveness.suspect(member, now, 0.0)
+            self.record(
+                now,
+                EventKind.NODE_SUSPECT,
+                f"node {member} {why} and node {reporter} reported a failure: declared dead now",
+                node=member,
+            )
 
     def _refund_for_loss(self, node_id: str, now: float, last_seen: float) -> None:
         """The pending failure followed the loss of ``node_id`` (last seen alive at ``last_seen``): a free

@@ -133,6 +133,10 @@ class Liveness:
         self._grace_until = max(self._grace_until, now + self.timeout_s)
         self._grace_cap = max(self._grace_cap, self._grace_until)
 
+    def holding(self, now: float) -> bool:
+        """Whether verdicts are held now (a takeover's grace, or a leader that suspects itself)."""
+        return now < self._grace_until
+
     def quiet(self, now: float, older_than_s: float) -> dict[str, float]:
         """The nodes not heard from for more than ``older_than_s``, with their heartbeat ages (as the
         verdicts count them); O(quiet nodes): a prefix of the heartbeat order. Call after :meth:`dead`
@@ -179,8 +183,41 @@ class Liveness:
 
 
 #: A node not heard from for this many heartbeat intervals counts as silent for :func:`silent_at_once`
-#: (a live agent beats every interval: two missed beats in a row).
+#: and :func:`corroborated` (a live agent beats every interval: two missed beats in a row).
 SILENT_INTERVALS = 2.0
+
+
+def corroborated(
+    liveness: Liveness,
+    members: Iterable[str],
+    reporter: str,
+    now: float,
+    closed: bool,
+    stall_interval_s: float | None,
+) -> list[tuple[str, str]]:
+    """The members other than ``reporter`` that its failure report makes dead at once, each with why
+    (DESIGN.md, liveness corroboration): with ``closed``, those whose connection to the master closed; for
+    a stall (a hang report: a collective that waits; ``stall_interval_s``, the heartbeat interval), those
+    not suspected already and not heard from for :data:`SILENT_INTERVALS` intervals. A partitioned or
+    frozen node stops talking to its peers and to the master alike: its peers' stall and its silence
+    together name it, seconds before its heartbeat timeout, where the stall alone named a survivor as
+    hung. Nothing while the master holds its verdicts."""
+    if liveness.holding(now):
+        return []
+    found = []
+    for member in members:
+        if member == reporter:
+            continue
+        if liveness.suspected(member):
+            if closed:
+                found.append((member, "closed its connection to the master"))
+            continue
+        age = liveness.age(member, now) if stall_interval_s is not None else None
+        if age is not None and stall_interval_s is not None and age > SILENT_INTERVALS * stall_interval_s:
+            found.append((member, f"was silent for {age:.1f}s"))
+    return found
+
+
 #: The fewest silent nodes that make a leader suspect itself: the loss of a single node is believed.
 MIN_SILENT = 2
 

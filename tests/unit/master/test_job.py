@@ -25,6 +25,7 @@ from elastic.control.protocol import (
     Command,
     HeartbeatRequest,
     NodeState,
+    WorkerFailure,
 )
 from master.job.errors import SettingsMismatchError, UnknownNodeError
 from master.job.job import Job
@@ -387,6 +388,51 @@ def test_a_failure_report_alone_is_no_verdict_on_anybody():
     calls.connection_lost(job, "a", 1.6)  # the reporter's own closed connection corroborates nothing
     job.tick(1.7)
     assert set(job.nodes) == {"a", "b"}
+
+
+def hung(rank: int = 0) -> WorkerFailure:
+    return crash(rank, exit_code=None, message="no progress for 2.1s", kind="hang")
+
+
+@pytest.mark.parametrize("silent_at_report", [True, False], ids=["silent-at-the-report", "silent-after-it"])
+def test_a_stall_and_a_members_silence_name_the_silent_member_dead_before_its_timeout(silent_at_report: bool):
+    """A partitioned node stalls its peers' collective and stops heartbeating: a survivor's hang report
+    and that silence (two heartbeat intervals) declare it dead at once, and the report is explained by
+    the loss (the chaos run's finding 7: the survivor was named hung, the node dead only at 4 s)."""
+    job = make_job(min_nodes=1, max_nodes=3)
+    running(job, 0.0, "a", "b", "c")
+    beat(job, "a", 1.0)
+    beat(job, "c", 1.0)  # b's last heartbeat stays at 0.0
+    report_at = 2.5 if silent_at_report else 1.5
+    beat(job, "a", report_at, state=NodeState.FAILED, failure=hung())
+    beat(job, "c", report_at)
+    assert job.restart_count == 1, "provisional until the loss explains it"
+    job.tick(2.5)
+    job.tick(2.6)  # the next tick (ten a second) declares what the one before suspected
+    assert set(job.nodes) == {"a", "c"}, f"declared long before the {HB_TIMEOUT:g}s timeout"
+    suspect = [e.message for e in job.events if e.kind == "node_suspect"]
+    assert suspect == ["node b was silent for 2.5s and node a reported a failure: declared dead now"]
+    assert job.restart_count == 0, "the stall followed b's loss: a membership change"
+
+
+def test_a_crash_report_and_a_silent_member_wait_for_its_timeout():
+    """A crash (a worker exited) is not a stall: a silent peer is not its cause, nor a verdict on it."""
+    job = make_job(min_nodes=1, max_nodes=2)
+    running(job, 0.0, "a", "b")
+    beat(job, "a", 2.5, state=NodeState.FAILED, failure=crash())
+    job.tick(2.6)
+    assert set(job.nodes) == {"a", "b"}
+
+
+def test_a_stall_with_every_member_heard_names_nobody():
+    job = make_job(min_nodes=1, max_nodes=2)
+    running(job, 0.0, "a", "b")
+    beat(job, "b", 1.0)
+    beat(job, "a", 2.5, state=NodeState.FAILED, failure=hung())
+    beat(job, "b", 2.0)
+    job.tick(2.9)
+    assert set(job.nodes) == {"a", "b"}, "b heartbeats: the stall alone is no verdict"
+    assert job.restart_count == 1
 
 
 def test_a_closed_connection_of_a_finished_node_or_job_is_not_suspect():
