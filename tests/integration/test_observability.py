@@ -275,6 +275,22 @@ def test_a_scale_ups_detection_is_no_badput_the_world_trained_through_it() -> No
     assert figures.productive_s + sum(figures.badput_s.values()) == pytest.approx(100.0)
 
 
+def test_redone_steps_count_from_the_newest_step_a_member_saved() -> None:
+    """The next round resumes from the newest copy any rank holds; the committed step (the lowest one
+    saved) trails it by a heartbeat and counted steps nobody redoes."""
+    job = make_job()
+    join(job, T0 + 1, "a", "b")
+    job.tick(T0 + 2)
+    for node, step in (("a", 10), ("b", 7)):  # b's last heartbeat came before a's steps 8-10
+        progress = [WorkerProgress(local_rank=0, step=step, step_time_s=0.5)]
+        beat(job, node, T0 + 6, workers=progress, ckpt_step=step)
+    job.tick(T0 + 6.5)
+    assert job.committed_step == 7
+    beat(job, "b", T0 + 7, state=NodeState.FAILED, failure=WorkerFailure(rank=1, local_rank=0, exit_code=1))
+    opened = of_kind(job, "round_opened")[-1]
+    assert opened.data["steps_lost"] == 0, "a saved step 10, the newest: nothing is redone"
+
+
 def test_redone_seconds_use_the_lower_median_of_the_known_step_times() -> None:
     assert redone_seconds(3, [None, 0.2, 0.4, 0.3, 0.9]) == pytest.approx(3 * 0.3)
     assert redone_seconds(3, [None]) == 0.0 and redone_seconds(0, [0.5]) == 0.0
