@@ -448,7 +448,7 @@ class Job:
         for node_id in dead:
             age = self.liveness.age(node_id, now)
             lost = self.nodes.get(node_id)
-            why = " after closing its connection" if self.liveness.suspected(node_id) else ""
+            why = f" {self.liveness.suspicion(node_id)}" if self.liveness.suspected(node_id) else ""
             self._remove(
                 node_id,
                 f"node {node_id} declared dead (no heartbeat for {age:.1f}s{why})",
@@ -725,7 +725,7 @@ class Job:
         members = pending.members if pending is not None else current.members if current else ()
         interval = self.settings.heartbeat_interval_s if pending and pending.stalled else None
         for member, why in corroborated(self.liveness, members, reporter, now, closed, interval):
-            self.liveness.suspect(member, now, 0.0)
+            self.liveness.suspect(member, now, 0.0, "while its peers stalled")
             self.record(
                 now,
                 EventKind.NODE_SUSPECT,

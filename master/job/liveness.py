@@ -56,6 +56,7 @@ class Liveness:
         self._last_seen: OrderedDict[str, float] = OrderedDict()  # oldest heartbeat first (see above)
         self._in_order = True  # whether _last_seen's order is that of its times
         self._suspect_until: dict[str, float] = {}
+        self._suspect_why: dict[str, str] = {}  # what the suspicion of a node rests on (for its verdict)
         self._grace_until = self._grace_cap = float("-inf")
         #: Nodes inherited by a takeover and not heard from since (while its grace lasts).
         self._awaited: set[str] = set()
@@ -70,6 +71,7 @@ class Liveness:
         seen.move_to_end(node_id)
         if self._suspect_until:
             self._suspect_until.pop(node_id, None)
+            self._suspect_why.pop(node_id, None)
         if self._excused:
             self._excused.pop(node_id, None)
         if self._awaited and node_id in self._awaited:
@@ -80,17 +82,26 @@ class Liveness:
     def forget(self, node_id: str) -> None:
         self._last_seen.pop(node_id, None)
         self._suspect_until.pop(node_id, None)
+        self._suspect_why.pop(node_id, None)
         self._excused.pop(node_id, None)
         self._awaited.discard(node_id)
 
-    def suspect(self, node_id: str, now: float, within_s: float) -> None:
-        """Dead at ``now + within_s`` (if that is earlier than its timeout) unless it beats before."""
+    def suspect(
+        self, node_id: str, now: float, within_s: float, why: str = "after closing its connection"
+    ) -> None:
+        """Dead at ``now + within_s`` (if that is earlier than its timeout) unless it beats before; ``why``
+        (the first one given) ends its dead verdict's line."""
         if node_id in self._last_seen:
             deadline = min(now + within_s, self._last_seen[node_id] + self.timeout_s)
             self._suspect_until[node_id] = min(deadline, self._suspect_until.get(node_id, deadline))
+            self._suspect_why.setdefault(node_id, why)
 
     def suspected(self, node_id: str) -> bool:
         return node_id in self._suspect_until
+
+    def suspicion(self, node_id: str) -> str:
+        """What the suspicion of ``node_id`` rests on (``""``: none)."""
+        return self._suspect_why.get(node_id, "")
 
     def knows(self, node_id: str) -> bool:
         return node_id in self._last_seen
@@ -121,6 +132,7 @@ class Liveness:
         self._grace_cap = now + GRACE_CAP_TIMEOUTS * self.timeout_s
         self._awaited = set(self._last_seen)
         self._suspect_until.clear()
+        self._suspect_why.clear()
         self._excused.clear()
         for node_id in self._last_seen:
             self._last_seen[node_id] = now
@@ -214,7 +226,9 @@ def corroborated(
             continue
         age = liveness.age(member, now) if stall_interval_s is not None else None
         if age is not None and stall_interval_s is not None and age > SILENT_INTERVALS * stall_interval_s:
-            found.append((member, f"was silent for {age:.1f}s"))
+            found.append(
+                (member, f"was silent for {age:.1f}s")
+            )  # (the verdict says "while its peers stalled")
     return found
 
 

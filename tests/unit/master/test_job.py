@@ -412,6 +412,8 @@ def test_a_stall_and_a_members_silence_name_the_silent_member_dead_before_its_ti
     assert set(job.nodes) == {"a", "c"}, f"declared long before the {HB_TIMEOUT:g}s timeout"
     suspect = [e.message for e in job.events if e.kind == "node_suspect"]
     assert suspect == ["node b was silent for 2.5s and node a reported a failure: declared dead now"]
+    dead = [e.message for e in job.events if e.kind == "node_dead"]
+    assert dead == ["node b declared dead (no heartbeat for 2.6s while its peers stalled)"]
     assert job.restart_count == 0, "the stall followed b's loss: a membership change"
 
 
