@@ -80,6 +80,8 @@ class Decision:
     publish: bool  # rename the temp file to its final name (else remove it)
     move_latest: bool  # point ``latest`` at it
     why: str
+    #: Not published because a newer round of the same submission committed: the job went on without it.
+    moved_on: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,7 @@ def decide(
             )
         return Decision(True, True, "the first checkpoint of a new submission of the job")
     if round_ is not None and fenced_round is not None and round_ < fenced_round:
-        return Decision(False, False, f"round {round_} was superseded by round {fenced_round}")
+        return Decision(False, False, f"round {round_} was superseded by round {fenced_round}", moved_on=True)
     if latest_step is not None and step < latest_step:
         return Decision(True, False, f"latest names the newer step {latest_step}")
     return Decision(True, True, "newest")

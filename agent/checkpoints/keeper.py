@@ -31,12 +31,13 @@ it. The keeper:
 * **stop**: persists what is still pending, and the newest checkpoint in memory if it is newer than the
   last persist request (a ``persist=False`` save, or a request lost with its worker), then removes the
   folder, unless the newest checkpoint asked for could not be made durable
-  (:attr:`CheckpointKeeper.unpersisted`): then the folder is kept, renamed out of the way of later
-  agents (:func:`agent.checkpoints.shm_folder.keep_unpersisted`, :attr:`CheckpointKeeper.kept`), and
-  the agent exits 1 saying how to persist it. The stop is bounded: it gives up a persist that made no
-  progress for ``stall_s`` (default 30 s), or that still runs ``stop_cap_s`` (default 600 s) after the
-  stop began, logs and records the error, and goes on (the thread is abandoned; nothing it finishes
-  later is published).
+  (:attr:`CheckpointKeeper.unpersisted`; one refused because a newer round of the same submission
+  committed is no loss: the job went on from its step or a newer one): then the folder is kept, renamed
+  out of the way of later agents (:func:`agent.checkpoints.shm_folder.keep_unpersisted`,
+  :attr:`CheckpointKeeper.kept`), and the agent exits 1 saying how to persist it. The stop is bounded: it
+  gives up a persist that made no progress for ``stall_s`` (default 30 s), or that still runs
+  ``stop_cap_s`` (default 600 s) after the stop began, logs and records the error, and goes on (the
+  thread is abandoned; nothing it finishes later is published).
 
 Persist policy when a persist is still running at the next save: the worker is never blocked (its report
 is queued by the kernel). Reports wait in a slot per kind (replicated file, sharded save) that each newer
@@ -231,6 +232,7 @@ class CheckpointKeeper:
         #: Where the memory folder was kept at stop (the newest checkpoint is not on disk), else None.
         self.kept: Path | None = None
         self._published: dict[str, Request] = {}  # the last request of each kind that was published
+        self._moved_on: dict[str, Request] = {}  # the last request of each kind that a newer round superseded
         self._cond = threading.Condition()
         # One slot per kind (replicated file, sharded save), each replaced by a newer report.
         self._pending: dict[str, Request] = {}
@@ -305,13 +307,17 @@ class CheckpointKeeper:
             self._started, self._lock_fd = False, None
 
     def _unpersisted(self) -> list[Request]:
-        """The newest request of each kind whose checkpoint did not reach the disk (failed, superseded,
-        given up); a request replaced in memory by a newer save that was persisted does not count."""
+        """The newest request of each kind whose checkpoint did not reach the disk (failed, superseded by a
+        newer submission, given up); a request replaced in memory by a newer save that was persisted does
+        not count, nor one refused because a newer round of the same submission committed (a node that
+        left, or was preempted, after its peers went on: they hold its step or a newer one, and keeping its
+        folder and exiting 1 told the operator of a loss that was none: a chaos run's preemption)."""
         with self._cond:
             return [
                 last
                 for kind, last in sorted(self._last_request.items())
-                if (done := self._published.get(kind)) is None or done.step != last.step
+                if ((done := self._published.get(kind)) is None or done.step != last.step)
+                and ((gone := self._moved_on.get(kind)) is None or gone.step != last.step)
             ]
 
     @property
@@ -545,6 +551,8 @@ class CheckpointKeeper:
             self.superseded += outcome.superseded
             if outcome.superseded:
                 self.persist_error = f"step {request.step} to {request.target}: not persisted: {outcome.why}"
+            if outcome.moved_on:
+                self._moved_on[request.kind] = request
             if outcome.published:
                 self._published[request.kind] = request
                 self.persisted += 1

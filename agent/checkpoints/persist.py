@@ -121,6 +121,7 @@ class Outcome:
     committed: bool = False  # and the step is complete there: the keeper's persisted step moves
     superseded: bool = False  # not published: a newer round or submission committed to the folder
     why: str = ""  # why it was superseded (the fence's decision), for the keeper's report
+    moved_on: bool = False  # superseded by a newer round of the same submission (the fence's ``moved_on``)
 
 
 def copy(
@@ -200,7 +201,7 @@ def persist(
     )
     if not decision.publish:
         log.warning("the checkpoint of step %d was not persisted: %s", request.step, decision.why)
-        return Outcome(superseded=True, why=decision.why)
+        return Outcome(superseded=True, why=decision.why, moved_on=decision.moved_on)
     log.debug(
         "persisted the checkpoint of step %d to %s in %.2fs (%s)",
         request.step,

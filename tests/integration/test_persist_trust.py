@@ -80,6 +80,29 @@ def test_a_superseded_persist_is_reported_counted_and_keeps_the_memory_copy(
     assert (ckpt / layout.LATEST_MARKER).read_text() == layout.step_file_name(5)
 
 
+@pytest.mark.timeout(30)
+def test_a_persist_superseded_by_a_newer_round_of_the_same_submission_keeps_nothing(
+    root: Path, tmp_path: Path
+) -> None:
+    """A node preempted after its peers went on (a newer round committed): its last persist is refused,
+    counted and reported, but it is no loss (the newer round resumed from its step or a newer one), so the
+    memory folder is not kept and the agent does not exit 1 (a chaos run's preemption did both)."""
+    ckpt = tmp_path / "ckpt"
+    peer = keeper_of(root, ckpt, NEW, "n2")
+    peer.on_checkpoint(0, 12, str(worker_save(peer.folder, 12)), round_number=4)
+    assert peer.wait_idle(10)
+    peer.stop()
+
+    left = keeper_of(root, ckpt, NEW)  # the same submission, an older round
+    left.on_checkpoint(0, 11, str(worker_save(left.folder, 11)), round_number=3)
+    assert left.wait_idle(10)
+    step, error = left.persist_status()
+    assert step is None and "round 3 was superseded by round 4" in error
+    assert left.outcomes["superseded"] == 1
+    left.stop()
+    assert left.unpersisted == [] and left.kept is None and not left.folder.exists()
+
+
 def test_make_room_prunes_checkpoints_older_than_the_newest_complete_one(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
