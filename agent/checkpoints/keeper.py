@@ -231,8 +231,9 @@ class CheckpointKeeper:
         self.unpersisted: list[Request] = []
         #: Where the memory folder was kept at stop (the newest checkpoint is not on disk), else None.
         self.kept: Path | None = None
-        self._published: dict[str, Request] = {}  # the last request of each kind that was published
-        self._moved_on: dict[str, Request] = {}  # the last request of each kind that a newer round superseded
+        #: The last request of each kind that needs nothing more: published, or superseded by a newer round
+        #: of the same submission (the job went on from its step or a newer one).
+        self._settled: dict[str, Request] = {}
         self._cond = threading.Condition()
         # One slot per kind (replicated file, sharded save), each replaced by a newer report.
         self._pending: dict[str, Request] = {}
@@ -316,8 +317,7 @@ class CheckpointKeeper:
             return [
                 last
                 for kind, last in sorted(self._last_request.items())
-                if ((done := self._published.get(kind)) is None or done.step != last.step)
-                and ((gone := self._moved_on.get(kind)) is None or gone.step != last.step)
+                if (done := self._settled.get(kind)) is None or done.step != last.step
             ]
 
     @property
@@ -552,9 +552,9 @@ class CheckpointKeeper:
             if outcome.superseded:
                 self.persist_error = f"step {request.step} to {request.target}: not persisted: {outcome.why}"
             if outcome.moved_on:
-                self._moved_on[request.kind] = request
+                self._settled[request.kind] = request
             if outcome.published:
-                self._published[request.kind] = request
+                self._settled[request.kind] = request
                 self.persisted += 1
                 self.persist_error = ""
                 if outcome.committed:

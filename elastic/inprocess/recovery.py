@@ -209,9 +209,9 @@ def _form(
     a fault, how long that may take (the agent then falls back to restarting processes)."""
     began = time.monotonic()
     recovering = reform_s is not None
+    if link is not None and link.pausing.is_set():  # the next round began before this one formed
+        raise _PausedWhileForming(f"round {link.pause_round} began before this group formed")
     try:
-        if link is not None and link.pausing.is_set():  # the next round began before this one formed
-            raise RuntimeError(f"round {link.pause_round} began before this group formed")
         control.form(reform_s)
         decided = agree(committed)
     except Exception as exc:
