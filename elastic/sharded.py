@@ -55,12 +55,20 @@ log = logging.getLogger(__name__)
 
 SHARDED_SUBDIR = sl.SHARDED_SUBDIR
 _received = 0  # bytes this process received from other nodes in its last load_sharded
+_direct = 0  # of them, received straight into the state's tensors
 
 
 def last_restore_received_bytes() -> int:
     """Bytes of shard files this process received from other nodes in its last :func:`load_sharded`
     (0 when its node held every file its ranks read)."""
     return _received
+
+
+def last_restore_direct_bytes() -> int:
+    """Of :func:`last_restore_received_bytes`, the bytes received straight into the state's tensors
+    (no copy after the receive): the data of tensor records of 64 KiB or more that this rank alone reads
+    whole into a contiguous tensor of their dtype and shape."""
+    return _direct
 
 
 # -- save -------------------------------------------------------------------------------------------
@@ -110,6 +118,24 @@ def _without(
     return {key: {n: p for n, p in files.items() if p not in damaged} for key, files in held.items()}
 
 
+def _load(
+    dcp: Any, state: dict[str, Any], found: shard_restore.Assembled, shm: Path | None
+) -> set[Path] | None:
+    """``dcp.load`` of the assembled step into ``state``; the files of this node that failed a digest
+    check during the load (on any rank: :class:`~elastic.checkpoint.shard_restore.DamagedShardsError`,
+    raised by DCP on every rank; empty when they lie on other nodes), None when it loaded. Other failures
+    are raised as they are."""
+    try:
+        dcp.load(state, storage_reader=shard_restore.reader(found.folder, shm, found.deferred))
+    except dcp.CheckpointException as exc:
+        failures = {rank: failure for rank, (failure, _) in exc.failures.items()}
+        damaged = {r: f for r, f in failures.items() if isinstance(f, shard_restore.DamagedShardsError)}
+        if not failures or len(damaged) != len(failures):
+            raise
+        return found.deferred.damaged(damaged)
+    return None
+
+
 def load_sharded(
     state: dict[str, Any], step: int | None = None, ckpt_dir: str | os.PathLike[str] | None = None
 ) -> int | None:
@@ -128,15 +154,17 @@ def load_sharded(
         The step loaded, or ``None`` when no rank holds a sharded checkpoint (``state`` is untouched).
 
     Raises:
-        CheckpointError: ``step`` was given and there is no complete checkpoint of it (a file whose
-            bytes fail its recorded digest, :func:`elastic.checkpoint.shard_layout.check_file`, is
-            reported to the agent and left out: the ranks choose again, another holder's copy of that
-            step or an older step).
+        CheckpointError: ``step`` was given and there is no complete checkpoint of it, or no copy of any
+            step passed its digest check (a file whose bytes fail its recorded digest,
+            :func:`elastic.checkpoint.shard_layout.check_file`, is reported to the agent and left out:
+            the ranks choose again, another holder's copy of that step or an older step, and load the
+            whole state anew; after such a failure ``state`` may hold bytes that were never committed,
+            which the next choice overwrites, and its contents are undefined when this raises).
     """
     import torch.distributed.checkpoint as dcp
 
-    global _received
-    _received = 0
+    global _received, _direct
+    _received = _direct = 0
     shm_text = os.environ.get(SHM_DIR_ENV)
     shm = Path(shm_text) if shm_text and Path(shm_text).is_dir() else None
     folder = ckpt_dir or os.environ.get(CKPT_DIR_ENV) or None
@@ -145,6 +173,7 @@ def load_sharded(
     if os.environ.get(CKPT_RESET_ENV, "") in ("1", "true", "yes"):
         held = {}
     world = collectives.world_size()
+    touched = False  # a load that failed a digest check wrote into ``state``
     for _ in range(_MAX_CHOICES):
         lists = collectives.gather_ints(shard_restore.encode(held), world)
         choice = shard_restore.choose(lists, step)
@@ -156,13 +185,31 @@ def load_sharded(
         manifest = next((m for p in mine.values() if (m := sl.read_manifest(p.parent)) is not None), None)
         try:
             found = shard_restore.assemble(state, chosen, save_id, mine, manifest, shm, world)
-            path, assembled, _received = found.folder, found.writes, found.received
-            break
         except shard_restore.DamagedShardsError as exc:
             # Every rank is here together: the damaged files (reported already) are left out, and the
             # ranks choose again: another holder's copy of the step, else an older step.
             log.warning("%s; choosing again without it", exc)
             held = _without(held, set(exc.bad))
+            continue
+        try:
+            damaged = _load(dcp, state, found, shm)
+        finally:
+            _received += found.received + found.deferred.received
+            _direct = found.deferred.direct
+            found.close()
+            collectives.barrier()
+            if found.writes:
+                path = found.folder
+                shutil.rmtree(path.parent if path.parent.name.startswith("elastic-restore-") else path, True)
+        if damaged is None:
+            break
+        # A file checked as it arrived, or beside the sends, failed: every rank is here together (DCP
+        # raised on all); the state is loaded anew from the next choice, all of it.
+        touched = True
+        log.warning(
+            "a file of the sharded checkpoint of step %d failed its digest check; choosing again", chosen
+        )
+        held = _without(held, damaged)
     else:
         raise CheckpointError(f"no undamaged sharded checkpoint found after {_MAX_CHOICES} choices")
     if choice is None:
@@ -178,14 +225,9 @@ def load_sharded(
                 "job's progress: to do so on purpose, run elastic-run with --ckpt-reset "
                 f"({CKPT_RESET_ENV}=1) or a new job id, or give --ckpt-dir the folder of the persisted ones"
             )
+        if touched:
+            raise CheckpointError("every copy of the sharded checkpoint failed its digest check")
         return None
-    try:
-        dcp.load(state, storage_reader=shard_restore.reader(path, shm, found.in_memory))
-    finally:
-        found.close()
-        collectives.barrier()
-        if assembled:
-            shutil.rmtree(path.parent if path.parent.name.startswith("elastic-restore-") else path, True)
     if shm is not None and node_local_rank() == 0:
         sl.prune(shm / SHARDED_SUBDIR, MEMORY_KEEP, newest=chosen)  # newer saves were a rolled-back run
     log.info("restored the sharded checkpoint of step %d", chosen)

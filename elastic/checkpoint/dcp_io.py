@@ -50,6 +50,7 @@ path.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -68,7 +69,7 @@ import zipfile
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, Protocol, cast
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
@@ -562,9 +563,10 @@ class _ViewStream(io.RawIOBase):
         return n
 
 
-def record_tensor(view: memoryview, base: int, mapped: mmap.mmap) -> torch.Tensor | None:
-    """The tensor of a ``torch.save`` record (``view``, at offset ``base`` of ``mapped``) as a view of
-    the mapping, without copying its data; None when the record is not one uncompressed storage."""
+def record_storage(view: memoryview) -> tuple[int, int, torch.Tensor] | None:
+    """Where a ``torch.save`` record (``view``) keeps its one storage: ``(offset of its bytes in the
+    record, their length, the tensor's layout on the meta device)``; None when the record is not one
+    uncompressed storage."""
     with zipfile.ZipFile(_ViewStream(view)) as archive:
         records = [info for info in archive.infolist() if _STORAGE_RECORD.match(info.filename)]
     if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
@@ -578,11 +580,61 @@ def record_tensor(view: memoryview, base: int, mapped: mmap.mmap) -> torch.Tenso
     meta = torch.load(stream, map_location="meta", weights_only=True)  # layout only
     if not isinstance(meta, torch.Tensor) or meta.untyped_storage().nbytes() != info.file_size:
         return None
+    return start, info.file_size, meta
+
+
+def record_tensor(view: memoryview, base: int, mapped: mmap.mmap) -> torch.Tensor | None:
+    """The tensor of a ``torch.save`` record (``view``, at offset ``base`` of ``mapped``) as a view of
+    the mapping, without copying its data; None when the record is not one uncompressed storage."""
+    found = record_storage(view)
+    if found is None:
+        return None
+    start, nbytes, meta = found
     with warnings.catch_warnings():  # a read-only mapping: the tensor is only read (copied from)
         warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(mapped, dtype=torch.uint8, count=info.file_size, offset=base + start)
-    typed = raw.view(meta.dtype) if info.file_size else torch.empty(0, dtype=meta.dtype)
+        raw = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=base + start)
+    typed = raw.view(meta.dtype) if nbytes else torch.empty(0, dtype=meta.dtype)
     return typed.as_strided(meta.size(), meta.stride(), meta.storage_offset())
+
+
+@dataclass(frozen=True)
+class RecordBytes:
+    """Where a tensor record's data lies in its file (:func:`record_layout`)."""
+
+    record: int  # the record's offset in the file (DCP's ``_StorageInfo.offset``)
+    start: int  # the first byte of the tensor's data in the file
+    nbytes: int
+    #: The data is the tensor's elements in order, nothing else (contiguous, from the storage's start,
+    #: filling it): bytes received straight into a contiguous tensor of its dtype and shape load it.
+    plain: bool
+
+
+def record_layout(mapped: mmap.mmap | memoryview, records: list[tuple[int, int]]) -> list[RecordBytes]:
+    """For each ``(offset, length)`` record of a data file (mapped), where its tensor's data lies; records
+    that are not one uncompressed storage (pickled objects, several storages) are left out."""
+    layout = []
+    view = memoryview(mapped)
+    try:
+        for offset, length in sorted(records):
+            record = view[offset : offset + length]
+            try:
+                found = record_storage(record)
+            except Exception:  # noqa: BLE001 - a record that does not parse travels as plain bytes
+                found = None
+            finally:
+                record.release()
+            if found is None:
+                continue
+            start, nbytes, meta = found
+            plain = (
+                meta.is_contiguous()
+                and meta.storage_offset() == 0
+                and meta.numel() * meta.element_size() == nbytes
+            )
+            layout.append(RecordBytes(offset, offset + start, nbytes, plain))
+    finally:
+        view.release()
+    return layout
 
 
 def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> torch.Tensor:
@@ -592,21 +644,105 @@ def _narrow(tensor: torch.Tensor, offsets: torch.Size, lengths: torch.Size) -> t
     return tensor
 
 
+class Exchange(Protocol):
+    """A rank's part of a restore's transfers and digest checks, run by :class:`MappedReader` when DCP
+    reads (every rank then runs it, between the same two collectives).
+    :class:`elastic.checkpoint.shard_restore.Deferred` is the one in use."""
+
+    def receives(self) -> bool:
+        """Whether this rank receives files (else it only sends, and touches no planner)."""
+        ...
+
+    def __call__(
+        self, metadata: Metadata, plan: LoadPlan, planner: LoadPlanner
+    ) -> tuple[dict[str, mmap.mmap], set[int]]:
+        """Run the transfers: returns the files received into this process's memory by name, and the
+        indices of this rank's plan items they loaded already."""
+        ...
+
+    def verify_local(self) -> dict[str, mmap.mmap]:
+        """Check the files of this node that only this rank reads; returns the good ones mapped."""
+        ...
+
+    def rejected(self) -> set[str]:
+        """Names of files that failed a check: nothing is read from them."""
+        ...
+
+    def finish(self) -> None:
+        """Raise when a file failed its check (after every transfer completed)."""
+        ...
+
+
 class MappedReader(FileSystemReader):
     """``FileSystemReader`` that copies tensors straight from the mapped data files (see the module doc).
 
-    For files in shared memory (tmpfs): mapping a file on disk would fault its pages in one by one. Files
-    received from another node into this process's memory (``in_memory``, by name: anonymous maps,
+    For files in shared memory (tmpfs): mapping a file on disk would fault its pages in one by one
+    (``map_files=False``: the folder's files are read by ``FileSystemReader``'s own path). Files received
+    from another node into this process's memory (``in_memory``, by name: anonymous maps,
     :func:`elastic.checkpoint.shard_restore.recv_memory`) are read from there; they are not in ``path``.
+    ``exchange`` runs first, when DCP reads: the transfers a restore performs while it knows where each
+    item goes (:data:`Exchange`).
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], in_memory: Mapping[str, mmap.mmap] | None = None
+        self,
+        path: str | os.PathLike[str],
+        in_memory: Mapping[str, mmap.mmap] | None = None,
+        exchange: Exchange | None = None,
+        map_files: bool = True,
     ) -> None:
         super().__init__(path)
         self.in_memory = dict(in_memory or {})
+        self.exchange, self.map_files = exchange, map_files
+        self.metadata: Metadata | None = None
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.metadata = metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        exchange = self.exchange
+        if exchange is None:
+            return self._read(plan, planner)
+        if self.metadata is None:
+            raise AssertionError("read_data before set_up_storage_reader")
+        if exchange.receives():
+            received, loaded = exchange(self.metadata, plan, planner)
+            self.in_memory.update(received)
+            self.in_memory.update(exchange.verify_local())
+            self._read(self._without(plan, loaded, exchange.rejected()), planner)
+        else:
+            # Only sends (no planner call): they run while this rank checks and loads its own files,
+            # each on a core of its own (a send's time is the kernel's copy into the socket).
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="elastic-send") as pool:
+                sending = pool.submit(exchange, self.metadata, plan, planner)
+                try:
+                    self.in_memory.update(exchange.verify_local())
+                    self._read(self._without(plan, set(), exchange.rejected()), planner)
+                finally:
+                    sending.result()
+        exchange.finish()
+        return self._done()
+
+    def _without(self, plan: LoadPlan, loaded: set[int], rejected: set[str]) -> LoadPlan:
+        """``plan`` less the items loaded already and the items of files that failed their check."""
+        return LoadPlan(
+            [
+                item
+                for i, item in enumerate(plan.items)
+                if i not in loaded and self.storage_data[item.storage_index].relative_path not in rejected
+            ]
+        )
+
+    @staticmethod
+    def _done() -> Future[None]:
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             if self.storage_data[item.storage_index].transform_descriptors:
@@ -618,14 +754,14 @@ class MappedReader(FileSystemReader):
             held = self.in_memory.get(relative_path)
             if held is not None:
                 fallback += self._read_mapped(held, items, planner)
-            else:
+            elif self.map_files:
                 fallback += self._read_file(Path(self.path) / relative_path, items, planner)
+            else:
+                fallback += items
         if fallback:
             self._write_in_memory()
             super().read_data(LoadPlan(fallback), planner)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
+        return self._done()
 
     def _write_in_memory(self) -> None:
         """Write the files held in memory into the folder, for DCP's own reader (a rare fallback)."""

@@ -39,7 +39,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import xxhash
 
@@ -86,23 +86,52 @@ def text(raw: bytes) -> str:
     return f"{ALGORITHM}:{raw.hex()}"
 
 
-def check_text(recorded: str, path: Path) -> str:
-    """'' when the file at ``path`` has the digest ``recorded`` (text form, or a bare sha256 hex digest of
-    an earlier version's replica), else one line saying why not."""
-    algorithm, _, value = recorded.rpartition(":")
-    if algorithm == ALGORITHM:
-        actual = text(file_digest_raw(path))
-    elif not algorithm and len(value) == 64:
-        import hashlib  # an earlier version's replica: sha256, slower but still checked
+class Verifier:
+    """Checks bytes fed in file order (:meth:`update`) against a recorded digest: its text form, or a bare
+    sha256 hex digest of an earlier version's replica (slower, still checked)."""
 
-        digest = hashlib.sha256()
-        _stream(path, digest.update)
-        actual, recorded = digest.hexdigest(), value
+    def __init__(self, recorded: str) -> None:
+        algorithm, _, value = recorded.rpartition(":")
+        self.recorded = recorded
+        self._unknown = False
+        self._hash: Any
+        if algorithm == ALGORITHM:
+            self._hash = hasher()
+        elif not algorithm and len(value) == 64:
+            import hashlib
+
+            self._hash = hashlib.sha256()
+        else:
+            self._unknown, self._hash = True, None
+
+    def update(self, data: Any) -> None:
+        if self._hash is not None:
+            self._hash.update(data)
+
+    def why(self, what: object) -> str:
+        """'' when the bytes fed match the recorded digest, else one line naming ``what`` and why not."""
+        if self._unknown:
+            return f"{what}: unknown digest {self.recorded[:40]!r}"
+        if isinstance(self._hash, xxhash.xxh3_128):
+            actual, recorded = text(self._hash.digest()), self.recorded
+        else:
+            actual, recorded = self._hash.hexdigest(), self.recorded
+        if actual == recorded:
+            return ""
+        return f"{what}: digest {actual} differs from the recorded {recorded}"
+
+
+def check_text(recorded: str, path: Path, data: mmap.mmap | None = None) -> str:
+    """'' when the file at ``path`` (its bytes mapped already: ``data``) has the digest ``recorded`` (text
+    form, or a bare sha256 hex digest of an earlier version's replica), else one line saying why not."""
+    verifier = Verifier(recorded)
+    if data is None:
+        _stream(path, verifier.update)
     else:
-        return f"{path}: unknown digest {recorded[:40]!r}"
-    if actual == recorded:
-        return ""
-    return f"{path}: digest {actual} differs from the recorded {recorded}"
+        with memoryview(data) as view:
+            for start in range(0, len(view), _MAP_SLICE):
+                verifier.update(view[start : start + _MAP_SLICE])
+    return verifier.why(path)
 
 
 def file_digest_raw(path: Path) -> bytes:

@@ -66,11 +66,14 @@ def empty(nbytes: int) -> torch.Tensor:
     return tensor
 
 
-def anonymous(nbytes: int) -> mmap.mmap:
-    """A new private anonymous map of ``nbytes`` (> 0), advised for huge pages: where a restore receives
-    bytes from another rank before it parses them (a buffer, for ``torch.frombuffer`` and ``parse``). Its
-    memory goes when the map is closed, or freed with no buffer exporting it."""
+def anonymous(nbytes: int, huge: bool = True) -> mmap.mmap:
+    """A new private anonymous map of ``nbytes`` (> 0), advised for huge pages (``huge``): where a
+    restore receives bytes from another rank before it parses them (a buffer, for ``torch.frombuffer``
+    and ``parse``). Its memory goes when the map is closed, or freed with no buffer exporting it.
+    ``huge=False`` where only scattered parts of it will be written: each huge page touched is 2 MiB
+    the kernel zeroes."""
     mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError, AttributeError):  # only advice: no THP, or no MADV_HUGEPAGE name
-        mapped.madvise(mmap.MADV_HUGEPAGE)
+    if huge:
+        with contextlib.suppress(OSError, AttributeError):  # only advice: no THP, or no MADV_HUGEPAGE
+            mapped.madvise(mmap.MADV_HUGEPAGE)
     return mapped

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import mmap
 import os
 import re
 import secrets
@@ -291,17 +292,42 @@ def recorded_digest(path: Path) -> str | None:
         return None
 
 
+def recorded_text(path: Path) -> str | None:
+    """:func:`recorded_digest` in the text form :class:`elastic.checkpoint.digest.Verifier` checks."""
+    recorded = recorded_digest(path)
+    if recorded and len(recorded) == 32:  # xxh3_128 as hex (hashes.json, .xxh3 files)
+        return f"{digest.ALGORITHM}:{recorded}"
+    return recorded
+
+
 def check_file(path: Path) -> str:
     """'' when the file ``path`` of a sharded save matches its recorded digest (or none is recorded), else
     one line naming the file and the mismatch."""
-    recorded = recorded_digest(path)
+    return check_mapped(path, keep=False)[0]
+
+
+def check_mapped(path: Path, keep: bool = True) -> tuple[str, mmap.mmap | None]:
+    """:func:`check_file`, and the file mapped read-only with its page tables filled in one call
+    (``MAP_POPULATE``) when a digest is recorded and the file is not empty (else None; ``keep=False``:
+    never): a restore that checks a file and then reads or sends it maps it once (on tmpfs, filling the
+    page tables of 1 GB costs about as much as hashing it). The caller closes the map."""
+    recorded = recorded_text(path)
     if recorded is None:
-        return ""
+        return "", None
     if not recorded:
-        return f"{path}: no recorded digest in {HASHES}"
-    if len(recorded) == 32:  # xxh3_128 as hex (hashes.json, .xxh3 files)
-        recorded = f"{digest.ALGORITHM}:{recorded}"
-    return digest.check_text(recorded, path)
+        return f"{path}: no recorded digest in {HASHES}", None
+    mapped = None
+    if keep:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size:
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                mapped = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
+    why = digest.check_text(recorded, path, mapped)
+    if why and mapped is not None:
+        mapped.close()
+        mapped = None
+    return why, mapped
 
 
 def sha256_file(path: Path) -> str:

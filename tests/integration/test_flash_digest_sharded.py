@@ -83,6 +83,8 @@ def test_a_damaged_shard_is_left_out_for_a_peers_replica_or_an_older_step(tmp_pa
     assert [r["step"] for r in results(peer, 2)] == [3, 3]
     assert loaded_scale(peer) == 3.0
     assert results(peer, 2)[0]["received"] == own.stat().st_size, "A received its file from B's replica"
+    # A's shard of "big" (65 rows, 130 KiB) went straight into its tensor, the small ones by copy.
+    assert results(peer, 2)[0]["direct"] == 65 * 512 * 4
     assert "failed its digest check" in (peer / "logs" / "rank0.log").read_text()
 
     # Now B's replica of A's file is damaged too: no good copy of it anywhere, so step 3 is incomplete and

@@ -52,6 +52,9 @@ def expected_tensors() -> dict[str, torch.Tensor]:
         "w": torch.randn(13, 5, generator=gen),
         "b": torch.randn(7, generator=gen),
         "rep": torch.randn(3, generator=gen),
+        # Shards of 64 KiB or more at worlds 2-4 but the last at 4 (30 rows): a restore receives those
+        # straight into the state's tensors (shard_restore.recv_records), the smaller ones by copy.
+        "big": torch.randn(129, 512, generator=gen),
     }
 
 
@@ -86,7 +89,8 @@ def main() -> None:
             if rank == 0:
                 torch.save({**full, "rep": state["rep"], "meta": state["meta"]}, out / "full.pt")
             received = elastic.sharded.last_restore_received_bytes()
-            write_json(out / f"rank{rank}.json", {"step": step, "received": received})
+            direct = elastic.sharded.last_restore_direct_bytes()
+            write_json(out / f"rank{rank}.json", {"step": step, "received": received, "direct": direct})
         else:
             raise SystemExit(f"unknown mode {mode}")
         dist.barrier()  # rank 0 hosts the TCPStore: nobody tears the group down while others still use it
