@@ -283,7 +283,9 @@ class Injector:
             action()
 
     def note_nodes(self, now: float) -> None:
-        below = len(self.cl.live()) < sch.MIN_NODES
+        # A node cut off from the others is live but no member the job can use: the master counts the
+        # time as waiting for nodes too.
+        below = len([n for n in self.cl.live() if not n.cut]) < sch.MIN_NODES
         if below and self._below_since is None:
             self._below_since = now
         elif not below and self._below_since is not None:
