@@ -395,7 +395,9 @@ class ElasticAgent:
         if preempted:
             reason += " (pre-emption: it persists its newest checkpoint and exits 1 to be requeued)"
         try:
-            self.client.leave(LeaveRequest(node_id=self.settings.node_id, reason=reason))
+            self.link.leave(
+                lambda: self.client.leave(LeaveRequest(node_id=self.settings.node_id, reason=reason))
+            )
         except MasterError as exc:
             log.info("could not tell the master that this node leaves: %s", exc)
 

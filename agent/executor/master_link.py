@@ -54,6 +54,11 @@ LONG_POLL_S = 20.0
 #: Seconds between two lines of an agent that waits (for the master, for other nodes): steady, and far
 #: apart enough that a long wait is a few lines, not one a heartbeat.
 WAIT_LINE_INTERVAL_S = 10.0
+#: How long a leaving node keeps telling the masters that it leaves while every one answers 503
+#: not_leader (a takeover under way; an election ends within the lease TTL once etcd answers again): its
+#: leave then reaches the new leader, which changes the membership at once, where a node gone silent is
+#: declared dead only after the heartbeat timeout, counted from the takeover.
+LEAVE_TAKEOVER_WAIT_S = 10.0
 
 
 def master_wait_line(exc: Exception, waited_s: float, timeout_s: float) -> str:
@@ -438,6 +443,22 @@ class MasterLink:
         if answer is None:  # a poll that raises ends with an answer or an error
             raise AssertionError(f"the {what} poll ended without an answer")
         return answer
+
+    def leave(self, call: Callable[[], object]) -> None:
+        """Tell the master that this node leaves (``call``): retried while every master answers 503
+        not_leader, for at most :data:`LEAVE_TAKEOVER_WAIT_S`; raises the last error otherwise (no master
+        at all answers, a refusal, or the takeover took longer)."""
+        deadline = self.clock.monotonic() + LEAVE_TAKEOVER_WAIT_S
+        delay = 0.1
+        while True:
+            try:
+                call()
+                return
+            except NoLeaderError as exc:
+                left = deadline - self.clock.monotonic()
+                if not exc.only_standbys or left <= 0 or self.clock.wait(min(delay, left)):
+                    raise
+                delay = min(2 * delay, 1.0)
 
     # -- long-poll threads ---------------------------------------------------------------------------
     def start_round_wait(

@@ -8,10 +8,10 @@ import pytest
 from master_link_fakes import INTERVAL, MASTER_TIMEOUT, FakeClient, FakeClock, link_for, thread_policy
 
 from agent.executor.heartbeats import HeartbeatThread
-from agent.executor.master_link import CallFailed, MasterLink
+from agent.executor.master_link import LEAVE_TAKEOVER_WAIT_S, CallFailed, MasterLink
 from agent.executor.node_view import NodeView
 from agent.machine import events as ev
-from elastic.control.client import MasterError, MasterRejectedError, MasterUnreachableError
+from elastic.control.client import MasterError, MasterRejectedError, MasterUnreachableError, NoLeaderError
 from elastic.control.protocol import Command, CommandReply, NodeState
 
 pytestmark = pytest.mark.timeout(10)
@@ -188,3 +188,33 @@ def test_a_waiting_node_is_not_told_to_rejoin_by_its_heartbeat_and_sends_none_be
     client.joined = False
     heartbeat(link, posted, NodeState.WAITING).run()
     assert client.calls == 2 and link.last_contact == last_contact, "no call, so no answer counted"
+
+
+# -- a leaving node (SIGTERM, pre-emption) ---------------------------------------------------------------
+STANDBYS = NoLeaderError({"m:1": "503 not_leader", "m:2": "503 not_leader"})
+ABSENT = NoLeaderError({"m:1": "no answer (ConnectError)", "m:2": "503 not_leader"})
+
+
+def test_a_leave_waits_out_a_takeover_so_the_new_leader_learns_it_at_once() -> None:
+    # Every master stands by (etcd paused, a takeover under way): the leave reaches the next leader, which
+    # changes the membership at once instead of declaring the node dead a heartbeat timeout later.
+    client, clock = FakeClient(STANDBYS, STANDBYS, REPLY), FakeClock()
+    link, _ = link_for(client, clock)
+    link.leave(client.next)
+    assert client.calls == 3 and len(clock.waits) == 2
+
+
+def test_a_leave_is_not_retried_when_a_master_is_absent_or_the_takeover_lasts_too_long() -> None:
+    client, clock = FakeClient(ABSENT, REPLY), FakeClock()
+    link, _ = link_for(client, clock)
+    with pytest.raises(NoLeaderError):
+        link.leave(client.next)
+    assert client.calls == 1 and clock.waits == [], "no master at an address: the node exits now"
+
+    client, clock = FakeClient(STANDBYS), FakeClock()
+    link, _ = link_for(client, clock)
+    with pytest.raises(NoLeaderError):
+        link.leave(client.next)
+    assert sum(clock.waits) == pytest.approx(LEAVE_TAKEOVER_WAIT_S), (
+        "bounded: the node's exit waits no longer"
+    )
