@@ -165,6 +165,9 @@ class Cluster:
             "--host", "127.0.0.1", "--port", str(self.ports[i]), "--job-id", self.job, "--nnodes", "2:4",
             "--token-file", str(self.token_file), "--store", f"etcd://{self.etcd.endpoint}",
             "--max-restarts", "100000", "--event-log", str(self.event_logs()[i]),
+            # As under a supervisor that restarts it: a master brought back while etcd is stopped or
+            # restarting waits for etcd (finding 11), where it exited and left the job without a master.
+            "--store-wait", "60",
         ]  # fmt: skip
         self.master_runs += 1
         self.masters[i] = self.group.launch(argv, f"master-{i}-{self.master_runs}")

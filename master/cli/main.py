@@ -156,6 +156,15 @@ def _check_tls(cert: str | None, key: str | None) -> None:
     "masters and restarts without stopping training).",
 )
 @click.option(
+    "--store-wait",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds to wait at start for an unreachable --store (etcd restarting or paused) before exiting "
+    "with its error; 0: exit at once. Set it where a supervisor restarts the master (a standby): a restart "
+    "during an etcd outage then waits for etcd instead of exiting.",
+)
+@click.option(
     "--store-password-file",
     type=click.Path(dir_okay=False),
     default=None,
@@ -269,7 +278,7 @@ def cli(ctx: click.Context, **opts) -> None:
     except StoreError as exc:
         raise click.BadParameter(str(exc), param_hint="--store-password-file") from None
     try:
-        check_store(settings.store_url, job.job_id, password=password)
+        check_store(settings.store_url, job.job_id, password=password, wait_s=opts["store_wait"])
     except StoreError as exc:
         raise click.ClickException(str(exc)) from None
     for warning in check_listener(MASTER_API, settings.host, auth=Auth.SECRET, tls=bool(settings.tls_cert)):

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import stat
+import time
 from collections.abc import Callable
 
 import click
@@ -24,7 +25,7 @@ from master.service.settings import (
     DEFAULT_UNAUTHENTICATED_PER_ADDRESS,
     ServerSettings,
 )
-from master.store.base import MemoryStore, StateStore, StoreError
+from master.store.base import MemoryStore, StateStore, StoreError, StoreUnreachableError
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +203,10 @@ def open_store(url: str, job_id: str, *, password: str | None = None) -> StateSt
     raise StoreError(f"unknown store scheme {scheme!r} in --store {url!r}; use memory:// or etcd://HOST:PORT")
 
 
-def check_store(url: str, job_id: str, *, password: str | None = None) -> None:
-    """Fail fast, with one line, when the store at ``url`` is unreachable or refuses us (before serving)."""
+def check_store(url: str, job_id: str, *, password: str | None = None, wait_s: float = 0.0) -> None:
+    """Fail, with one line, when the store at ``url`` is unreachable or refuses us (before serving): at
+    once, or while it stays unreachable for ``wait_s`` (``--store-wait``: a master that a supervisor
+    restarts during an etcd restart or pause waits for it instead of exiting). A refusal fails at once."""
 
     async def probe() -> None:
         store = open_store(url, job_id, password=password)
@@ -212,4 +215,19 @@ def check_store(url: str, job_id: str, *, password: str | None = None) -> None:
         finally:
             await store.close()
 
-    asyncio.run(probe())
+    deadline = time.monotonic() + wait_s
+    said = False
+    while True:
+        try:
+            asyncio.run(probe())
+            if said:
+                log.info("the store answers: starting")
+            return
+        except StoreUnreachableError as exc:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            if not said:
+                said = True
+                log.warning("%s; waiting for it, at most %gs more (--store-wait)", exc, left)
+            time.sleep(min(1.0, left))  # a retry delay while etcd comes back, not a synchronisation

@@ -21,6 +21,11 @@ class StoreError(errors.StoreError):
     """The store cannot be used (unreachable, bad URL...); the message is one actionable line."""
 
 
+class StoreUnreachableError(StoreError):
+    """No endpoint of the store answered: it may come back (etcd restarting or paused), where a refusal
+    (user, permission) or a wrong protocol (TLS) does not pass by waiting."""
+
+
 class StateFormatError(StoreError):
     """The store holds a job state this master cannot read (not JSON, an unknown schema version, a
     missing field). Unlike an unreachable store this does not pass by retrying: the master exits."""

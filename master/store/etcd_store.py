@@ -50,7 +50,7 @@ import aetcd
 
 from elastic.control.tls import speaks_tls
 from master.store import etcd_client as ec
-from master.store.base import Snapshot, StateFormatError, StateStore, StoreError
+from master.store.base import Snapshot, StateFormatError, StateStore, StoreError, StoreUnreachableError
 from master.store.etcd_lease import LeaseKeeper
 from master.store.etcd_state import StateRecords
 from master.store.etcd_term import EtcdTerm
@@ -171,7 +171,7 @@ class EtcdStore(EtcdTerm, StateStore):
             )
         if tls:
             raise StoreError(f"etcd at {', '.join(tls)} speaks TLS: {ec.TLS_HINT}")
-        raise StoreError(
+        raise StoreUnreachableError(
             f"etcd at {self._describe_endpoints()} is unreachable: {'; '.join(errors)}; "
             "start etcd or fix --store"
         )

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import selectors
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -44,7 +46,7 @@ from master.http.serving import EmbeddedMaster
 from master.job.liveness import hash_secret
 from master.service.settings import ServerSettings
 from master.store import etcd_layout
-from master.store.base import StoreError
+from master.store.base import StoreError, StoreUnreachableError
 from master.store.etcd_store import EtcdStore
 
 pytestmark = pytest.mark.etcd
@@ -641,3 +643,37 @@ def test_two_masters_on_one_etcd_one_leads_and_the_standby_takes_over_with_the_s
         client.close()
         for master in masters:
             master.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_master_told_to_wait_for_its_store_starts_once_etcd_is_back(
+    etcd_server: EtcdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A standby restarted by its supervisor while etcd is down (chaos finding 11) waits for it with
+    # --store-wait, where it exited at once; a refusal or a closed port with no wait still fails at once.
+    etcd_server.stop()
+    url = f"etcd://{etcd_server.endpoint}"
+    with pytest.raises(StoreUnreachableError):
+        check_store(url, new_job())  # --store-wait 0: the fast failure, as before
+    outcome: list[BaseException | None] = []
+
+    def start_master() -> None:
+        try:
+            check_store(url, new_job(), wait_s=90.0)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(exc)
+
+    with caplog.at_level(logging.INFO, logger="master.cli.options"):
+        waiter = threading.Thread(target=start_master)
+        waiter.start()
+        try:
+            deadline = time.monotonic() + 60
+            while "--store-wait" not in caplog.text and time.monotonic() < deadline and waiter.is_alive():
+                waiter.join(0.05)  # until it says it waits (a condition, bounded)
+            assert "waiting for it" in caplog.text, "it waits, saying so"
+        finally:
+            etcd_server.start()
+            waiter.join(90)
+    assert outcome == [None], outcome
+    assert "the store answers: starting" in caplog.text
