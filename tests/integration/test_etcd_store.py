@@ -665,7 +665,7 @@ def test_a_master_told_to_wait_for_its_store_starts_once_etcd_is_back(
             outcome.append(exc)
 
     with caplog.at_level(logging.INFO, logger="master.cli.options"):
-        waiter = threading.Thread(target=start_master)
+        waiter = threading.Thread(target=start_master, daemon=True)  # never holds the test run open
         waiter.start()
         try:
             deadline = time.monotonic() + 60
