@@ -1,14 +1,14 @@
 """Adaptive hang bound: false verdicts over a long run, detection time, and the progress hooks' overhead.
 
 Replays a simulated training run through the agent's real code (the progress channel's bookkeeping, the
-adaptive rule of agent.observe.hang_policy and the verdict of agent.observe.hang), checked at every
-heartbeat, in simulated time:
+adaptive rule of agent.observe.hang_policy and the verdict of agent.observe.hang), checked as often as the
+agent's hang-watch thread checks (agent.executor.health.HANG_CHECK_S), in simulated time:
 
 * 10,000 steps of 50 ms (jittered, with rare slow ones), a slow first step (compilation), an evaluation
   pass of 10x the step time every 500 steps (forward passes only) and a checkpoint save every 1,000 steps:
   every verdict there is a false one;
 * then one worker SIGSTOPped, or stuck in a Python loop (alive, no forward pass, no step): the time from the
-  fault to the verdict, against the target ``max(3 x p99 step, 2 s) + 1 heartbeat`` and against today's
+  fault to the verdict, against the target ``max(3 x p99 step, 2 s)`` + one check interval and against today's
   fixed 600 s (``agent.settings``' former default, ``--hang-timeout 600``);
 
 for both an unmodified script (optimizer-step hook, rate-limited) and one that calls ``elastic.report``.
@@ -38,6 +38,7 @@ import psutil
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from agent.executor.health import HANG_CHECK_S  # noqa: E402
 from agent.observe.channel import ProgressChannel  # noqa: E402
 from agent.observe.hang import hung_workers, observe_progress  # noqa: E402
 from agent.observe.hang_policy import DEFAULT_POLICY, AdaptiveHangPolicy, adaptive_bound  # noqa: E402
@@ -60,7 +61,7 @@ class Scenario:
     eval_forward_s: float = 0.015  # one evaluation forward pass
     save_every: int = 1000
     save_s: float = 4.0  # a checkpoint save, longer than the adaptive bound
-    heartbeat_s: float = 1.0
+    check_s: float = HANG_CHECK_S  # the agent's hang-watch thread's period
     explicit: bool = False  # the script calls elastic.report (else: the optimizer-step hook only)
     seed: int = 7
 
@@ -79,7 +80,7 @@ class Result:
     false_verdicts: int
     first_false: str
     bound_s: float  # the adaptive bound at the end of the run
-    target_s: float  # bound + one heartbeat
+    target_s: float  # bound + one check interval
     stop_detect_s: float  # SIGSTOP -> verdict
     loop_detect_s: float  # Python loop -> verdict
     fixed_detect_s: float  # the same faults with --hang-timeout 600
@@ -116,7 +117,7 @@ def _events(sc: Scenario, rng: random.Random) -> Iterator[tuple[float, ProgressK
 def _verdict_after(
     channel: ProgressChannel, start: float, fault_at: float, stopped: bool, timeout: float | None, hb: float
 ) -> float:
-    """Seconds from the fault to the first heartbeat check with a verdict (no datagram after the fault)."""
+    """Seconds from the fault to the first check with a verdict (no datagram after the fault)."""
     policy = DEFAULT_POLICY if timeout is None else None
     check = start
     stuck_since: float | None = None
@@ -141,10 +142,10 @@ def run(sc: Scenario, policy: AdaptiveHangPolicy = DEFAULT_POLICY) -> Result:
     try:
         channel.reset(1)
         false, first_false = 0, ""
-        next_check = sc.heartbeat_s
+        next_check = sc.check_s
         last_t = 0.0
         for t, kind, step in _events(sc, rng):
-            while next_check <= t:  # the heartbeat checks before this datagram arrives
+            while next_check <= t:  # the checks before this datagram arrives
                 obs = observe_progress(
                     next_check, 0, channel.snapshot()[0], psutil.STATUS_RUNNING, None, policy
                 )
@@ -152,17 +153,15 @@ def run(sc: Scenario, policy: AdaptiveHangPolicy = DEFAULT_POLICY) -> Result:
                 if hangs:
                     false += 1
                     first_false = first_false or f"t={next_check:.2f}s: {hangs[0].reason}"
-                next_check += sc.heartbeat_s
+                next_check += sc.check_s
             channel.record(0, kind, step, now=t)
             last_t = t
         bound = adaptive_bound(channel.snapshot()[0].durations, policy) or policy.fallback_s
-        # The fault strikes half a step after the last step, between two heartbeats.
+        # The fault strikes half a step after the last step, between two checks.
         fault_at = last_t + sc.step_s / 2
-        stop = _verdict_after(channel, next_check - sc.heartbeat_s, fault_at, True, None, sc.heartbeat_s)
-        loop = _verdict_after(channel, next_check - sc.heartbeat_s, fault_at, False, None, sc.heartbeat_s)
-        fixed = _verdict_after(
-            channel, next_check - sc.heartbeat_s, fault_at, False, FIXED_TIMEOUT_S, sc.heartbeat_s
-        )
+        stop = _verdict_after(channel, next_check - sc.check_s, fault_at, True, None, sc.check_s)
+        loop = _verdict_after(channel, next_check - sc.check_s, fault_at, False, None, sc.check_s)
+        fixed = _verdict_after(channel, next_check - sc.check_s, fault_at, False, FIXED_TIMEOUT_S, sc.check_s)
     finally:
         channel.close()
     return Result(
@@ -172,7 +171,7 @@ def run(sc: Scenario, policy: AdaptiveHangPolicy = DEFAULT_POLICY) -> Result:
         false,
         first_false,
         round(bound, 3),
-        round(bound + sc.heartbeat_s, 3),
+        round(bound + sc.check_s, 3),
         round(stop, 3),
         round(loop, 3),
         round(fixed, 3),
@@ -271,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     scenario = Scenario(steps=args.steps)
     lines = [
         "Simulated time through the agent's real code (progress channel, adaptive rule, verdict), checked "
-        f"at every heartbeat ({scenario.heartbeat_s:g} s): {args.steps} steps of "
+        f"every {scenario.check_s:g} s (the agent's hang-watch thread): {args.steps} steps of "
         f"{scenario.step_s * 1e3:g} ms (jittered), a first step of {scenario.first_step_s:g} s, an "
         "evaluation pass of "
         f"{scenario.eval_factor:g}x the step time every {scenario.eval_every} steps, a {scenario.save_s:g} s "
@@ -279,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "SIGSTOPped, or in a Python loop. The second job: 1,000 steps of 0.5 s, a first step of 10 s, an "
         "evaluation pass of 6 s every 100 steps and a 2 s save every 50. Target: 0 false verdicts and "
         "detection within max(3 x p99 step, "
-        "2 s) + 1 heartbeat; today's fixed timeout quoted from the setting, not measured.",
+        "2 s) + one check interval; today's fixed timeout quoted from the setting, not measured.",
         "",
         c.table(headers, rows),
     ]

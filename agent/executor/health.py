@@ -2,8 +2,9 @@
 dumps, and the node-check process. What follows from them (report, rejoin, exit) is decided by
 agent.machine.decisions.
 
-Hangs (see :mod:`agent.observe.hang`): at every heartbeat the heartbeat thread asks :class:`HangMonitor` about
-the running workers; a hung one becomes a ``HangSeen`` event (once per worker generation). Reporting it,
+Hangs (see :mod:`agent.observe.hang`): every :data:`HANG_CHECK_S` the hang-watch thread
+(:class:`HangWatchThread`) asks :class:`HangMonitor` about the running workers; a hung one becomes a
+``HangSeen`` event (once per worker generation). Reporting it,
 :func:`hang_failure` records the hung workers' Python stacks (:mod:`agent.observe.stackdump`) and names the
 root cause; the master counts it as a failure (kind ``hang``) and opens a new round, like a crash.
 
@@ -16,17 +17,23 @@ agent exits 1 with the reason) or ``stop`` (the job is over).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 from pydantic import ValidationError
 
+from agent.executor.node_view import NodeView
 from agent.machine.decisions import CHECK_PG_TIMEOUT_S
-from agent.machine.events import HangLike
+from agent.machine.events import AgentEvent, HangLike, HangSeen
 from agent.observe.channel import ProgressChannel
 from agent.observe.hang import Hang, HangWatch
 from agent.observe.stackdump import StackDump, dump_stacks, stack_file_path
@@ -34,7 +41,7 @@ from agent.settings import AgentSettings
 from agent.workers.environment import worker_envs
 from agent.workers.group import FailureInfo, WorkerExit, WorkerGroup, WorkerSpec
 from elastic import contract
-from elastic.control.protocol import Assignment, JobInfo, NodeCheckResult, NodeCheckStage
+from elastic.control.protocol import Assignment, JobInfo, NodeCheckResult, NodeCheckStage, NodeState
 from elastic.node_check import RESULT_ENV, TIMEOUT_ENV
 from elastic.report import STACK_FILE_ENV
 
@@ -48,6 +55,12 @@ STACK_LOG_LINES = 60
 #: work), so such a worker would never exit and its job never end; its training is over, so it is stopped
 #: and counts as succeeded. Generous: a normal teardown takes well under a second.
 DONE_EXIT_GRACE_S = 30.0
+#: Seconds between two hang checks of the running workers. A verdict comes at most this long after its
+#: bound expired (the bound itself is 2 s at least): checked at each heartbeat instead, a hang was declared
+#: up to a whole heartbeat interval (1 s) late, half a second on average, for every hung or stopped worker
+#: and, through the survivors' stall, for every node that vanished. A check reads the progress channel and
+#: each live worker's process state (/proc), some tens of microseconds per worker.
+HANG_CHECK_S = 0.1
 
 
 def warn_on_node_check_setting(settings: AgentSettings, info: JobInfo) -> None:
@@ -76,7 +89,7 @@ def add_stack_files(envs: list[dict[str, str]], root: Path, assignment: Assignme
 
 
 class HangMonitor:
-    """Hang checks of the running workers, once per heartbeat (heartbeat thread only)."""
+    """Hang checks of the running workers, every :data:`HANG_CHECK_S` (the hang-watch thread only)."""
 
     def __init__(
         self,
@@ -134,6 +147,47 @@ class HangMonitor:
                 self.finished_pids.discard(pid)  # it exited meanwhile, by itself
 
 
+class HangWatchThread:
+    """Checks the running workers for hangs every ``interval_s`` until ``closing`` is set (thread
+    ``hang-watch``); a hang is posted as a :class:`HangSeen` of the worker generation it was found in.
+
+    Apart from the heartbeat thread so that a verdict waits for no heartbeat (nor for a master that does
+    not answer one): a node that cannot reach its master still names its hung workers on time."""
+
+    def __init__(
+        self,
+        monitor: HangMonitor,
+        view: Callable[[], NodeView],
+        post: Callable[[AgentEvent], None],
+        generation: Callable[[], int],
+        closing: threading.Event,
+        interval_s: float = HANG_CHECK_S,
+    ) -> None:
+        self.monitor = monitor
+        self._view = view
+        self._post = post
+        self._generation = generation
+        self._closing = closing
+        self.interval_s = interval_s
+
+    def start(self) -> None:
+        threading.Thread(target=self.run, name="hang-watch", daemon=True).start()
+
+    def run(self) -> None:
+        """Check until the agent closes (the thread's body)."""
+        while not self._closing.wait(self.interval_s):
+            self.check_once()
+
+    def check_once(self) -> None:
+        """One check: post the hung workers of the current generation, if any (only while training)."""
+        generation = self._generation()  # read first: a newer generation's machine ignores this verdict
+        if self._view().state is not NodeState.RUNNING:
+            return
+        hangs = self.monitor.check(generation)
+        if hangs:
+            self._post(HangSeen(tuple(hangs), generation=generation))
+
+
 def hang_failure(
     hangs: tuple[HangLike, ...], pids: list[int], assignment: Assignment, root: Path
 ) -> FailureInfo:
@@ -157,6 +211,40 @@ def hang_failure(
         signal=None,
         message=message,
     )
+
+
+def continue_stopped(
+    local_ranks: tuple[int, ...], pids: list[int], assignment: Assignment, root: Path, attempt: str
+) -> list[int]:
+    """Record the Python stacks of those of ``local_ranks`` whose process is stopped (SIGSTOP, job control;
+    not a tracer's stop) and continue them (SIGCONT); the local ranks found stopped.
+
+    Called as the node leaves a round in process: a stopped worker cannot leave its step, so the round
+    would wait out ``--stop-grace`` and restart the node's processes. Its own node names a stopped worker
+    hung and records its stack (continuing it) when it sees the stop first; when a peer's stall was
+    reported first, this is where the same happens."""
+    stopped = []
+    for local_rank in local_ranks:
+        try:
+            if psutil.Process(pids[local_rank]).status() == psutil.STATUS_STOPPED:
+                stopped.append(local_rank)
+        except (psutil.Error, IndexError):
+            continue  # gone: its exit is reported on its own
+    if stopped:
+        offset = assignment.rank_offset
+        for r in stopped:
+            log.warning(
+                "rank %d (local rank %d, pid %d) is stopped as the round changes; recording its stack and "
+                "continuing it (SIGCONT), so that it leaves its step with the others",
+                offset + r,
+                r,
+                pids[r],
+            )
+        record_stacks(stopped, pids, assignment, root, attempt)
+        for r in stopped:  # a faulthandler dump continued it already; a py-spy dump did not
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[r], signal.SIGCONT)
+    return stopped
 
 
 def record_stacks(

@@ -1,9 +1,9 @@
 """The agent's heartbeats: what a heartbeat says about this node, and the thread that sends one each interval.
 
 The heartbeat thread reports the node's view (agent.executor.node_view.NodeView, written by the main thread
-only), checks the running workers for hangs (agent.executor.health.HangMonitor) and posts what it learns as
-events for the machine (agent.machine.decisions): a non-``continue`` command while workers run, a hang, the
-master forgetting the node, a final refusal, or how long the master has been silent. Its beat is the poll
+only) and posts what it learns as events for the machine (agent.machine.decisions): a non-``continue``
+command while workers run, the master forgetting the node, a final refusal, or how long the master has been
+silent. (Hangs are the hang-watch thread's: agent.executor.health.HangWatchThread.) Its beat is the poll
 loop of agent.executor.master_link under the heartbeat's policy.
 """
 
@@ -16,10 +16,9 @@ from typing import Any
 
 from agent.checkpoints import replication
 from agent.checkpoints.keeper import CheckpointKeeper, ReplicationFields
-from agent.executor.health import HangMonitor
 from agent.executor.master_link import MasterLink, OnGiveUp, PollPolicy
 from agent.executor.node_view import NodeView
-from agent.machine.events import AgentEvent, CommandReceived, HangSeen, NodeUnknown
+from agent.machine.events import AgentEvent, CommandReceived, NodeUnknown
 from agent.observe.channel import ProgressChannel
 from elastic.control.protocol import (
     PERSIST_ERROR_MAX,
@@ -85,7 +84,6 @@ class HeartbeatThread:
         link: MasterLink,
         request: Callable[[], HeartbeatRequest],
         view: Callable[[], NodeView],
-        hangs: HangMonitor,
         keeper: CheckpointKeeper | None,
         post: Callable[[AgentEvent], None],
         generation: Callable[[], int],
@@ -94,7 +92,6 @@ class HeartbeatThread:
         self.link = link
         self._request = request  # this node's heartbeat now (heartbeat_request of the agent's view)
         self._view = view
-        self._hangs = hangs
         self._keeper = keeper
         self._post = post
         self._generation = generation
@@ -127,11 +124,7 @@ class HeartbeatThread:
         return self._tick
 
     def _beat(self) -> CommandReply | None:
-        """One beat: check the running workers for hangs, then send the heartbeat (None: not joined yet)."""
-        if self._view().state is NodeState.RUNNING:
-            hangs = self._hangs.check(self._tick)
-            if hangs:
-                self._post(HangSeen(tuple(hangs), generation=self._tick))
+        """One beat: send the heartbeat (None: not joined yet)."""
         client = self.link.client
         if not client.has_joined(self.link.settings.node_id):
             return None  # no incarnation yet (the join is being retried): nothing to report for

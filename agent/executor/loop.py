@@ -208,11 +208,13 @@ class ElasticAgent:
             self.link,
             self._heartbeat_request,
             lambda: self.view,
-            self.hangs,
             self.keeper,
             self.events.put,
             self._generation,
             self.heartbeat_call_timeout,
+        ).start()
+        health.HangWatchThread(
+            self.hangs, lambda: self.view, self.events.put, self._generation, self._closing
         ).start()
         self.progress.start()  # the progress line every --progress-interval (agent.observe.progress)
 
@@ -322,6 +324,16 @@ class ElasticAgent:
         # The machine began a new generation: exits of paused workers are not failures of the next round.
         self.view = NodeView(state=NodeState.WAITING)
         self.inprocess.pause(action.local_ranks, action.round)  # they leave their step while the node joins
+        if self.assignment is not None:
+            # A stopped worker cannot leave its step (a peer's stall named the hang before this node saw
+            # the stop): its stack is recorded, which continues it, and it leaves in process.
+            root = health.stack_root(self.settings, self.group)
+            attempt = f"round{action.round}-stopped"
+            stopped = health.continue_stopped(
+                action.local_ranks, self.group.pids, self.assignment, root, attempt
+            )
+            if stopped:
+                self.event_log.record("stopped_workers_continued", round=action.round, local_ranks=stopped)
 
     def _await_paused(self, action: ev.AwaitPaused) -> ev.AgentEvent:
         return ev.PauseSettled(self.inprocess.await_paused(action.timeout_s))

@@ -25,9 +25,9 @@ too, first, even before its own timeout: when one rank stops, its peers stall in
 the stopped one is the cause to name.
 
 :func:`hung_workers` is the pure verdict, a function of (now, timeout, observations); the agent's
-heartbeat thread feeds it every interval through :class:`HangWatch`, which reads the progress channel and
-the processes' psutil states. So a hang is declared at most ``T`` + one heartbeat interval after the last
-step (or, for a stopped process, after the first check that saw it stopped).
+hang-watch thread (agent.executor.health.HangWatchThread) feeds it every 0.1 s through :class:`HangWatch`,
+which reads the progress channel and the processes' psutil states. So a hang is declared at most ``T`` +
+0.1 s after the last step (or, for a stopped process, after the first check that saw it stopped).
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 A daemon thread reads the agent's messages. ``pause`` sets :attr:`AgentLink.pausing` at once (the
 training loop leaves at its next commit) and, if the loop has not left within the leave grace, calls
 ``on_stuck`` (which releases the process group, so a collective blocked on a vanished peer raises). The
-grace is ``leave_grace_s``, or one and a half times the last step's duration when that is longer (a
-healthy world, e.g. one that a node joins, then finishes its step instead of wasting it), at most
-:data:`MAX_LEAVE_GRACE_S` (a collective blocked on a vanished peer is released within a second).
+grace is what is left, since the last commit, of one and a half times the last step's duration (a healthy
+world, e.g. one that a node joins, then finishes its step instead of wasting it), at most
+:data:`MAX_LEAVE_GRACE_S` (a collective blocked on a vanished peer is released within a second), and at
+least ``leave_grace_s``: a step already past it is blocked, and is released at once.
 ``resume`` hands the next round's environment to :meth:`AgentLink.wait_resume`.
 """
 
@@ -88,8 +89,16 @@ class AgentLink:
             self._step_s = now - self._last_commit
         self._last_commit = now
 
-    def leave_grace_s(self) -> float:
-        return min(MAX_LEAVE_GRACE_S, max(self._leave_grace_s, 1.5 * self._step_s))
+    def leave_grace_s(self, now: float | None = None) -> float:
+        """How long a pause at ``now`` waits for the loop to reach its commit: what is left of one and a
+        half times the last step's duration since the last commit (at most :data:`MAX_LEAVE_GRACE_S`), and
+        at least the configured grace. A step already that late is blocked (a stopped or cut-off peer: the
+        pause that follows a hang verdict comes seconds into it), so its group is released at once instead
+        of a step and a half later."""
+        expected = min(MAX_LEAVE_GRACE_S, 1.5 * self._step_s)
+        if self._last_commit is not None:
+            expected -= (time.monotonic() if now is None else now) - self._last_commit
+        return max(self._leave_grace_s, expected)
 
     def left_step(self) -> None:
         """The training loop left its step (a commit saw the pause, or a collective raised)."""

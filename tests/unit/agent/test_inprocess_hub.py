@@ -109,7 +109,12 @@ def test_the_leave_grace_follows_the_step_time_within_bounds(hub, monkeypatch) -
     link._last_commit = time.monotonic() - 0.2  # a step of 0.2 s just ended
     link.committed()
     assert 0.29 <= link.leave_grace_s() <= 0.4, "a healthy step finishes instead of being wasted"
+    now = time.monotonic()
+    assert link.leave_grace_s(now + 0.1) == pytest.approx(link.leave_grace_s(now) - 0.1), "what is left of it"
+    assert link.leave_grace_s(now + 2.0) == 0.05, "a step seconds late is blocked: released at once"
     link._last_commit = time.monotonic() - 30
     link.committed()
-    assert link.leave_grace_s() == 0.8, "a blocked collective is still released within a second"
+    assert link.leave_grace_s(link._last_commit) == 0.8, (
+        "a blocked collective is still released within a second"
+    )
     link.close()

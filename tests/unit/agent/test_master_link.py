@@ -146,17 +146,11 @@ def test_a_poll_ends_when_it_is_no_longer_wanted_or_the_agent_closes() -> None:
 
 
 # -- the heartbeat (a period, and it beats on after a refusal) -----------------------------------------
-class NoHangs:
-    def check(self, generation: int) -> list[object]:
-        return []
-
-
 def heartbeat(link: MasterLink, posted: list[ev.AgentEvent], state: NodeState) -> HeartbeatThread:
     return HeartbeatThread(
         link,
         lambda: object(),  # type: ignore[arg-type, return-value] - the fake client ignores it
         lambda: NodeView(state=state),
-        NoHangs(),  # type: ignore[arg-type]
         None,
         posted.append,
         lambda: 9,
