@@ -6,7 +6,7 @@ training loop leaves at its next commit) and, if the loop has not left within th
 grace is what is left, since the last commit, of one and a half times the last step's duration (a healthy
 world, e.g. one that a node joins, then finishes its step instead of wasting it), at most
 :data:`MAX_LEAVE_GRACE_S` (a collective blocked on a vanished peer is released within a second), and at
-least ``leave_grace_s``: a step already past it is blocked, and is released at once.
+least ``leave_grace_s``; a step already twice that late is blocked, and is released at once.
 ``resume`` hands the next round's environment to :meth:`AgentLink.wait_resume`.
 """
 
@@ -90,15 +90,18 @@ class AgentLink:
         self._last_commit = now
 
     def leave_grace_s(self, now: float | None = None) -> float:
-        """How long a pause at ``now`` waits for the loop to reach its commit: what is left of one and a
-        half times the last step's duration since the last commit (at most :data:`MAX_LEAVE_GRACE_S`), and
-        at least the configured grace. A step already that late is blocked (a stopped or cut-off peer: the
-        pause that follows a hang verdict comes seconds into it), so its group is released at once instead
-        of a step and a half later."""
-        expected = min(MAX_LEAVE_GRACE_S, 1.5 * self._step_s)
-        if self._last_commit is not None:
-            expected -= (time.monotonic() if now is None else now) - self._last_commit
-        return max(self._leave_grace_s, expected)
+        """How long a pause at ``now`` waits for the loop to reach its commit: what is left, since the last
+        commit, of one and a half times the last step's duration (at most :data:`MAX_LEAVE_GRACE_S`), and
+        at least the configured grace; nothing when the step has run twice that long already. Such a step
+        is blocked (a stopped or cut-off peer: the pause that follows a hang verdict comes seconds into
+        it), so its group is released at once instead of a step and a half later."""
+        allowed = max(self._leave_grace_s, min(MAX_LEAVE_GRACE_S, 1.5 * self._step_s))
+        if self._last_commit is None:
+            return allowed
+        elapsed = (time.monotonic() if now is None else now) - self._last_commit
+        if elapsed >= 2.0 * allowed:
+            return 0.0
+        return max(self._leave_grace_s, allowed - elapsed)
 
     def left_step(self) -> None:
         """The training loop left its step (a commit saw the pause, or a collective raised)."""

@@ -111,7 +111,8 @@ def test_the_leave_grace_follows_the_step_time_within_bounds(hub, monkeypatch) -
     assert 0.29 <= link.leave_grace_s() <= 0.4, "a healthy step finishes instead of being wasted"
     now = time.monotonic()
     assert link.leave_grace_s(now + 0.1) == pytest.approx(link.leave_grace_s(now) - 0.1), "what is left of it"
-    assert link.leave_grace_s(now + 2.0) == 0.05, "a step seconds late is blocked: released at once"
+    assert link.leave_grace_s(now + 0.29) == 0.05, "late, not yet blocked: the configured grace"
+    assert link.leave_grace_s(now + 2.0) == 0.0, "a step seconds late is blocked: released at once"
     link._last_commit = time.monotonic() - 30
     link.committed()
     assert link.leave_grace_s(link._last_commit) == 0.8, (
