@@ -66,6 +66,7 @@ from bench import chaos_check as chk  # noqa: E402
 from bench import chaos_schedule as sch  # noqa: E402
 from bench import common as c  # noqa: E402
 from elastic.control.protocol import API_PREFIX, JOB_HEADER  # noqa: E402
+from elastic.exit_codes import ExitCode  # noqa: E402
 
 SCRIPT = c.REPO / "bench" / "chaos_train.py"
 TOKEN = "chaos-bench-token"
@@ -110,6 +111,9 @@ class Result:
     #: The leading master's elastic_badput_seconds_total by bucket, read from /metrics at the end.
     master_badput_s: dict[str, float] = field(default_factory=dict)
     agent_exit_codes: dict[str, int | None] = field(default_factory=dict)
+    #: Nodes the master excluded (flapping, a straggler evicted, suspect hardware), whose agent exited 4 as
+    #: designed: the job goes on without them and the harness starts a replacement, as a platform would.
+    excluded: list[dict] = field(default_factory=list)
     leaks: list[str] = field(default_factory=list)
     kept_stack_dumps: int = 0
     targets: dict[str, bool] = field(default_factory=dict)
@@ -243,14 +247,31 @@ class Cluster:
                 node.cut = ""
 
     def exited_nodes(self) -> list[tuple[str, int]]:
-        """Nodes the harness did not end whose agent exited with a non-zero code (marked ended)."""
+        """Nodes the harness did not end whose agent exited with a non-zero code (marked ended), except
+        those the master excluded (see :meth:`excluded_nodes`)."""
         out = []
         for node in self.nodes.values():
             code = node.proc.popen.poll()
-            if not node.ended and code not in (None, 0):
+            if not node.ended and code not in (None, 0) and not self._excluded(node, code):
                 node.ended = f"exit {code}"
                 out.append((node.name, code))
         return out
+
+    def excluded_nodes(self) -> list[tuple[str, str]]:
+        """Nodes whose agent exited 4 (ExitCode.NODE_UNHEALTHY) because the master excluded them, each with
+        the master's event (marked ended): the policy at work, not a failure of the job."""
+        out = []
+        for node in self.nodes.values():
+            code = node.proc.popen.poll()
+            if not node.ended and code is not None and (why := self._excluded(node, code)):
+                node.ended = f"excluded: {why}"
+                out.append((node.name, why))
+        return out
+
+    def _excluded(self, node: Node, code: int) -> str | None:
+        if code != ExitCode.NODE_UNHEALTHY:
+            return None
+        return chk.exclusions(self.event_logs()).get(node.name)
 
     def live(self) -> list[Node]:
         return [
@@ -508,6 +529,10 @@ def drive(args: argparse.Namespace, cl: Cluster, plan: list[sch.Injection], resu
         inj.due(time.time())
         inj.note_nodes(time.time())
         cl.group.track()
+        for name, why in cl.excluded_nodes():  # as a platform replaces a node its job excluded
+            replacement = cl.start_node()
+            result.excluded.append({"t": round(now - t0, 3), "node": name, "why": why})
+            c.log(f"t={now - t0:6.1f}s {name} excluded by the master ({why}); started {replacement.name}")
         failed = cl.exited_nodes()
         if failed:  # an agent the harness did not end exited non-zero: the job failed, stop here
             result.problems += [f"{name} exited with {code} at t={now - t0:.1f}s" for name, code in failed]
@@ -646,6 +671,9 @@ def report(r: Result) -> str:
         f"({r.kept_stack_dumps} stack dump file(s) kept by the agents for the operator)",
         "targets: " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in r.targets.items()),
     ]
+    if r.excluded:
+        named = "; ".join(f"{e['node']} at t={e['t']:.0f}s ({e['why']})" for e in r.excluded)
+        lines += ["", f"excluded by the master (agent exit 4, a replacement started): {named}"]
     if r.problems or r.leaks:
         lines += ["", "problems: " + "; ".join(r.problems + r.leaks)[:3000]]
     return "\n".join(lines)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,6 +185,23 @@ def read_phases(paths: list[Path]) -> dict[str, float]:
     """Summed recovery phases of every finished recovery in the masters' event logs."""
     total = dict.fromkeys(PHASE_BUCKET, 0.0)
     seen: set[tuple] = set()
+    for event in read_events(paths):
+        if event.get("kind") != "first_step" or not event.get("durations"):
+            continue
+        key = (event.get("round"), event.get("term"), json.dumps(event["durations"], sort_keys=True))
+        if key in seen:  # a standby that took over re-reads nothing, but be safe with two files
+            continue
+        seen.add(key)
+        for phase, value in event["durations"].items():
+            # A scale-up's detection (a joined node waiting for the last call) is no lost time: the
+            # world trains until the verdict (master.job.accounting.goodput_of leaves it out too).
+            if phase in total and not (phase == "detect" and event.get("cause") == "scale_up"):
+                total[phase] += float(value)
+    return total
+
+
+def read_events(paths: list[Path]) -> Iterator[dict]:
+    """Every event of the masters' event logs ``paths`` (missing files and cut lines skipped)."""
     for path in paths:
         if not path.exists():
             continue
@@ -191,19 +209,24 @@ def read_phases(paths: list[Path]) -> dict[str, float]:
             try:
                 event = json.loads(text)
             except ValueError:
-                continue
-            if event.get("kind") != "first_step" or not event.get("durations"):
-                continue
-            key = (event.get("round"), event.get("term"), json.dumps(event["durations"], sort_keys=True))
-            if key in seen:  # a standby that took over re-reads nothing, but be safe with two files
-                continue
-            seen.add(key)
-            for phase, value in event["durations"].items():
-                # A scale-up's detection (a joined node waiting for the last call) is no lost time: the
-                # world trains until the verdict (master.job.accounting.goodput_of leaves it out too).
-                if phase in total and not (phase == "detect" and event.get("cause") == "scale_up"):
-                    total[phase] += float(value)
-    return total
+                continue  # a line cut by a SIGKILL mid-write
+            if isinstance(event, dict):
+                yield event
+
+
+#: The master's events that exclude a node from the job (its agent then exits 4, ExitCode.NODE_UNHEALTHY).
+EXCLUSION_KINDS = frozenset(
+    {"node_flapping_excluded", "node_suspect_excluded", "straggler_evicted", "node_excluded"}
+)
+
+
+def exclusions(paths: list[Path]) -> dict[str, str]:
+    """The nodes the masters' event logs say were excluded from the job, each with the event's message."""
+    found: dict[str, str] = {}
+    for event in read_events(paths):
+        if event.get("kind") in EXCLUSION_KINDS and isinstance(event.get("node"), str):
+            found[event["node"]] = str(event.get("message", event["kind"]))
+    return found
 
 
 def badput(

@@ -1,8 +1,14 @@
 """bench/chaos.py's accounting of the time the job had too few nodes: a node cut off from the others is
-live but no member the job can use (the master counts that time as waiting for nodes too)."""
+live but no member the job can use (the master counts that time as waiting for nodes too). And a node the
+master excluded (its agent exits 4 by design) is the policy at work, not a failed job: the harness stopped a
+30-minute run at t = 382 s on a node excluded for flapping (partitioned four times in 225 s)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -42,3 +48,28 @@ def test_a_cut_off_node_above_the_minimum_leaves_enough_nodes() -> None:
     fleet.nodes[0].cut = ""
     injector.note_nodes(21.0)
     assert injector.below_min == []
+
+
+def test_an_agent_the_master_excluded_is_not_a_failed_job_and_others_still_are(tmp_path: Path) -> None:
+    flapping = "node node-4 excluded for flapping: lost 4 times within 300s (more than --flap-limit 3)"
+    lines = [
+        json.dumps({"kind": "node_dead", "node": "node-5", "message": "node node-5 declared dead"}),
+        '{"kind": "node_flapping_exc',  # a line cut by a SIGKILL mid-write
+        json.dumps({"kind": "node_flapping_excluded", "node": "node-4", "message": flapping}),
+    ]
+    (tmp_path / "events-1.jsonl").write_text("\n".join(lines) + "\n")
+    exits = {"node-4": 4, "node-5": 4, "node-6": 1}
+    procs = {
+        n: subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"]) for n, code in exits.items()
+    }
+    for proc in procs.values():
+        proc.wait(timeout=30)
+    cluster = object.__new__(chaos.Cluster)  # only what the exit checks read: the folder and the nodes
+    cluster.folder = tmp_path
+    cluster.nodes = {
+        n: SimpleNamespace(name=n, ended="", proc=SimpleNamespace(popen=p)) for n, p in procs.items()
+    }
+    assert cluster.excluded_nodes() == [("node-4", flapping)]
+    assert cluster.nodes["node-4"].ended.startswith("excluded")
+    assert cluster.exited_nodes() == [("node-5", 4), ("node-6", 1)], "exit 4 without the master's word fails"
+    assert cluster.excluded_nodes() == [] and cluster.exited_nodes() == [], "each is reported once"
