@@ -326,7 +326,7 @@ class ElasticAgent:
         self.inprocess.pause(action.local_ranks, action.round)  # they leave their step while the node joins
         if self.assignment is not None:
             # A stopped worker cannot leave its step (a peer's stall named the hang before this node saw
-            # the stop): its stack is recorded, which continues it, and it leaves in process.
+            # the stop): its stack is recorded, it is continued (SIGCONT), and it leaves in process.
             root = health.stack_root(self.settings, self.group)
             attempt = f"round{action.round}-stopped"
             stopped = health.continue_stopped(

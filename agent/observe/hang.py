@@ -138,15 +138,24 @@ class HangWatch:
         self.timeout_s = timeout_s
         self.policy = policy
         self._stuck: dict[int, float] = {}  # pid -> first check that saw it stopped or in disk sleep
+        #: pid -> its psutil handle, kept while the pid is watched: the agent checks every 0.1 s, and a new
+        #: handle reads /proc once more (its creation time) before each state read.
+        self._procs: dict[int, psutil.Process] = {}
 
     def observe(
         self, now: float, progress: Mapping[int, RankProgress], pids: Mapping[int, int]
     ) -> list[WorkerObservation]:
         """Observations of the live workers ``pids`` (local rank -> pid), with their progress."""
+        if len(self._procs) > len(pids):  # a worker left the watch: drop its handle
+            watched = set(pids.values())
+            self._procs = {pid: proc for pid, proc in self._procs.items() if pid in watched}
         observations = []
         for local_rank, pid in pids.items():
             try:
-                status = psutil.Process(pid).status()
+                proc = self._procs.get(pid)
+                if proc is None:
+                    proc = self._procs[pid] = psutil.Process(pid)
+                status = proc.status()
             except psutil.Error:
                 continue  # gone: its exit is reported on its own
             if status == psutil.STATUS_ZOMBIE:
